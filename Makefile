@@ -1,0 +1,28 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both set everything up.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: demo test build bench clean
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+build: $(VENV)/.installed
+	$(PY) tools/build.py
+
+demo: build
+	$(PY) examples/train_gpt.py
+
+test: build
+	$(PY) -m pytest -q tests
+
+bench: build
+	$(PY) benchmarks/bench.py
+
+clean:
+	rm -rf build

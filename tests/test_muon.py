@@ -1,0 +1,323 @@
+"""The Muon optimizer class against torch's own optimizers, the SVD polar factor, and itself across a restart."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kernel_under_test import optimizer
+
+Muon = optimizer.Muon
+functional = sys.modules[f"{optimizer.__name__}.functional"]
+
+
+def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
+    """U V^T of the reduced SVD, in float64: the exact answer Newton-Schulz approximates."""
+    u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    return u @ vh
+
+
+def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+
+
+# --- against torch.optim.Muon and torch.optim.AdamW ---------------------------------------------------------
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_torch_muon(nesterov: bool) -> None:
+    torch.manual_seed(0)
+    shapes = [(64, 96), (96, 64), (48, 48)]
+    ours = [torch.randn(s) for s in shapes]
+    theirs = [p.clone() for p in ours]
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, eps=1e-7)
+    opt = Muon(ours, ns_coefficients="original", ns_dtype=torch.bfloat16, adjust_lr_fn="original", ns_steps=5,
+               **settings)
+    ref = torch.optim.Muon(theirs, ns_coefficients=(3.4445, -4.7750, 2.0315), adjust_lr_fn="original", ns_steps=5,
+                           **settings)
+    for step in range(4):
+        seeded_grads(ours, step)
+        seeded_grads(theirs, step)
+        opt.step()
+        ref.step()
+        for p, q in zip(ours, theirs):
+            # Both run the same bf16 Newton-Schulz; the only differences are rounding in reductions done in another
+            # order (batched norms). An update entry is ~1/sqrt(n) in size and bf16 keeps ~3 significant digits, so
+            # allow 1% of one step's update per step taken.
+            update_size = 0.02 * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) / math.sqrt(min(p.shape))
+            torch.testing.assert_close(p, q, rtol=0, atol=0.01 * update_size * (step + 1))
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"],
+                                       rtol=1e-6, atol=1e-6)
+
+
+def test_matches_torch_adamw_for_non_matrices() -> None:
+    torch.manual_seed(0)
+    ours = [torch.randn(37), torch.randn(5, 1), torch.randn(())]  # 1D, degenerate matrix, scalar: all AdamW
+    theirs = [p.clone() for p in ours]
+    opt = Muon(ours, lr=0.01, adamw_lr=3e-3, adamw_betas=(0.8, 0.99), adamw_eps=1e-6, adamw_weight_decay=0.05)
+    ref = torch.optim.AdamW(theirs, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    for step in range(5):
+        seeded_grads(ours, step)
+        seeded_grads(theirs, step)
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        # Fused and foreach AdamW do the same fp32 arithmetic in a different order: a few ulps.
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        assert "momentum_buffer" not in opt.state[p]
+        assert float(opt.state[p]["step"]) == 5
+
+
+def test_lr_scheduler_scales_adamw_lr_too() -> None:
+    weight, bias = torch.randn(16, 16), torch.randn(16)
+    bias_ref = bias.clone()
+    opt = Muon([weight, bias], lr=0.02, adamw_lr=1e-3, weight_decay=0.0)
+    ref = torch.optim.AdamW([bias_ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (step + 1)) for o in (opt, ref)]
+    for step in range(4):
+        seeded_grads([weight, bias], step)
+        bias_ref.grad = bias.grad.clone()
+        opt.step()
+        ref.step()
+        for schedule in schedules:
+            schedule.step()
+    torch.testing.assert_close(bias, bias_ref, rtol=1e-6, atol=1e-6)
+
+
+# --- against the SVD polar factor: every way a parameter becomes matrices ---------------------------------------
+
+def one_step_update(param: torch.Tensor, grad: torch.Tensor, **options) -> torch.Tensor:
+    """The first step from zero momentum without Nesterov orthogonalizes (1 - momentum) * grad exactly."""
+    param = param.clone()
+    param.grad = grad
+    opt = Muon([dict(params=[param], use_muon=True, **options)], lr=1.0, weight_decay=0.0, momentum=0.5, nesterov=False,
+               ns_steps=10, ns_dtype=torch.float64, adjust_lr_fn=None)
+    before = param.clone()
+    opt.step()
+    return before - param
+
+
+# Ten Polar Express steps in float64 take every singular value above l = 1e-3 (relative to the Frobenius norm)
+# to 1 within ~1e-2 * safety; random Gaussian matrices of these sizes have sigma_min / ||G||_F well above 1e-3.
+POLAR_TOL = dict(rtol=0, atol=2e-2)
+
+
+def test_2d_update_is_polar_factor() -> None:
+    grad = torch.randn(40, 24, dtype=torch.float64)
+    torch.testing.assert_close(one_step_update(torch.zeros_like(grad), grad), polar_factor(grad), **POLAR_TOL)
+
+
+def test_conv_flatten_and_batched_modes() -> None:
+    grad = torch.randn(16, 8, 3, 3, dtype=torch.float64)
+    flat = one_step_update(torch.zeros_like(grad), grad, conv_mode="flatten")
+    torch.testing.assert_close(flat, polar_factor(grad.reshape(16, 72)).reshape(grad.shape), **POLAR_TOL)
+    batched = one_step_update(torch.zeros_like(grad), grad, conv_mode="batched")
+    for i in range(3):
+        for j in range(3):
+            torch.testing.assert_close(batched[:, :, i, j], polar_factor(grad[:, :, i, j]), **POLAR_TOL)
+
+
+def test_expert_bank_and_conv1d_layouts() -> None:
+    grad = torch.randn(4, 20, 12, dtype=torch.float64)
+    experts = one_step_update(torch.zeros_like(grad), grad)
+    for e in range(4):
+        torch.testing.assert_close(experts[e], polar_factor(grad[e]), **POLAR_TOL)
+    conv1d = one_step_update(torch.zeros_like(grad), grad, param_layout="conv")
+    torch.testing.assert_close(conv1d, polar_factor(grad.reshape(4, 240)).reshape(grad.shape), **POLAR_TOL)
+
+
+def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = functional.newton_schulz
+
+    def counting(matrices, *args, **kwargs):
+        calls.append(tuple(matrices.shape))
+        return real(matrices, *args, **kwargs)
+
+    monkeypatch.setattr(functional, "newton_schulz", counting)
+    params = [torch.randn(32, 48) for _ in range(5)] + [torch.randn(48, 32) for _ in range(2)]
+    seeded_grads(params, 0)
+    Muon(params).step()
+    assert sorted(calls) == [(2, 48, 32), (5, 32, 48)]
+
+
+def test_ns_dtype_none_is_float32_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    dtypes: list[torch.dtype] = []
+    real = functional.newton_schulz
+    monkeypatch.setattr(functional, "newton_schulz",
+                        lambda matrices, *a, **k: dtypes.append(matrices.dtype) or real(matrices, *a, **k))
+    param = torch.randn(8, 8)
+    seeded_grads([param], 0)
+    Muon([param]).step()
+    assert dtypes == [torch.float32]
+
+
+def test_adjust_lr_fns_scale_the_update() -> None:
+    grad = torch.randn(12, 48, dtype=torch.float64)
+    base = one_step_update(torch.zeros_like(grad), grad)
+    scales = {"original": 1.0, "match_rms_adamw": 0.2 * math.sqrt(48), "spectral": math.sqrt(12 / 48)}
+    for name, scale in scales.items():
+        torch.testing.assert_close(one_step_update(torch.zeros_like(grad), grad, adjust_lr_fn=name), base * scale)
+
+
+# --- non-finite and zero gradients ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradient_leaves_parameter_and_state_unchanged(bad: float) -> None:
+    params = [torch.randn(8, 8), torch.randn(8, 8), torch.randn(8), torch.randn(8)]
+    opt = Muon(params, lr=0.1)
+    seeded_grads(params, 0)
+    opt.step()  # create state
+    before = [p.clone() for p in params]
+    state_before = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    seeded_grads(params, 1)
+    params[0].grad[3, 4] = bad
+    params[2].grad[5] = bad
+    opt.step()
+    for i in (0, 2):
+        assert torch.equal(params[i], before[i])
+        for key, value in state_before[i].items():
+            if key != "nonfinite_skips":
+                assert torch.equal(opt.state[params[i]][key], value), key
+    for i in (1, 3):
+        assert not torch.equal(params[i], before[i])
+    assert opt.nonfinite_skips() == 2
+    assert int(opt.state[params[0]]["nonfinite_skips"]) == 1
+
+
+def test_zero_gradient_gives_finite_zero_update() -> None:
+    param, vector = torch.randn(8, 8), torch.randn(8)
+    before = param.clone()
+    param.grad, vector.grad = torch.zeros_like(param), torch.zeros_like(vector)
+    Muon([param, vector], lr=0.1, weight_decay=0.0).step()
+    assert torch.equal(param, before)
+    assert torch.isfinite(vector).all()
+
+
+# --- bad input: a clear error and nothing changed --------------------------------------------------------------
+
+def test_sparse_and_complex_gradients_raise_before_any_update() -> None:
+    dense, embedding = torch.randn(8, 8), torch.randn(10, 4)
+    opt = Muon([dense, embedding])
+    seeded_grads([dense], 0)
+    embedding.grad = torch.randn(10, 4).to_sparse()
+    before = dense.clone()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert torch.equal(dense, before) and not opt.state[dense]
+    complex_param = torch.randn(4, 4, dtype=torch.complex64)
+    complex_param.grad = torch.randn(4, 4, dtype=torch.complex64)
+    with pytest.raises(RuntimeError, match="complex"):
+        Muon([complex_param]).step()
+
+
+def test_forcing_a_vector_into_muon_names_its_shape() -> None:
+    opt = Muon([torch.randn(4, 4)])
+    with pytest.raises(ValueError, match=r"\(7,\)"):
+        opt.add_param_group({"params": [torch.randn(7)], "use_muon": True})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("option, value", [
+    ("lr", -1.0), ("momentum", 1.0), ("ns_steps", 0), ("ns_coefficients", "fastest"), ("eps", 0.0),
+    ("adjust_lr_fn", "sqrt"), ("conv_mode", "unfold"), ("adamw_betas", (0.9, 1.5)), ("ns_dtype", torch.int32),
+    ("weight_decay", float("nan")), ("adamw_lr", -3.0),
+])
+def test_invalid_options_name_the_option(option: str, value) -> None:
+    with pytest.raises(ValueError, match=option):
+        Muon([torch.randn(4, 4)], **{option: value})
+
+
+# --- torch.optim.Optimizer behaviour and exact resume across a process restart ----------------------------------
+
+def test_closure_zero_grad_and_param_names() -> None:
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    opt = Muon(optimizer.muon_param_groups(model, lr=0.01))
+    data = torch.randn(16, 6)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(data).square().mean()
+        loss.backward()
+        return loss
+
+    first = opt.step(closure)
+    assert torch.is_tensor(first) and all(p.grad is not None for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    names = [name for group in opt.state_dict()["param_groups"] for name in group["param_names"]]
+    assert sorted(names) == sorted(name for name, _ in model.named_parameters())
+
+
+RESUME_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from kernel_under_test import optimizer
+    from test_muon import make_training
+    model, opt, schedule, batches = make_training(optimizer)
+    checkpoint = torch.load({checkpoint!r})
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optimizer"])
+    schedule.load_state_dict(checkpoint["schedule"])
+    for inputs in batches[3:]:
+        opt.zero_grad()
+        model(inputs).square().mean().backward()
+        opt.step()
+        schedule.step()
+    torch.save(model.state_dict(), {result!r})
+""")
+
+
+class TinyNet(nn.Module):
+    """A conv, an expert bank, a bf16 matrix and an embedding: every state kind the optimizer keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.experts = nn.Parameter(torch.randn(3, 8, 8) / 8)
+        self.proj = nn.Linear(8, 8).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        features = self.conv(inputs.view(-1, 2, 2, 2)).flatten(1)[:, :8]
+        mixed = torch.einsum("bi,eij->bj", features, self.experts)
+        return self.norm(self.proj(mixed.bfloat16()).float())
+
+
+def make_training(module):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = module.Muon(module.muon_param_groups(model, lr=0.02), adamw_lr=1e-3)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    batches = [torch.randn(5, 8) for _ in range(6)]
+    batches[1][0, 0] = float("nan")  # one non-finite step: its skip counter must survive the checkpoint
+    return model, opt, schedule, batches
+
+
+def test_checkpoint_resume_in_a_new_process_is_exact(tmp_path: Path) -> None:
+    model, opt, schedule, batches = make_training(optimizer)
+    for i, inputs in enumerate(batches):
+        opt.zero_grad()
+        model(inputs).square().mean().backward()
+        opt.step()
+        schedule.step()
+        if i == 2:
+            checkpoint = tmp_path / "checkpoint.pt"
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "schedule": schedule.state_dict()}, checkpoint)
+    assert opt.nonfinite_skips() > 0
+    result = tmp_path / "resumed.pt"
+    script = RESUME_SCRIPT.format(tests=str(Path(__file__).parent), checkpoint=str(checkpoint), result=str(result))
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    resumed = torch.load(result)
+    for name, value in model.state_dict().items():
+        assert torch.equal(resumed[name], value), name

@@ -1,0 +1,217 @@
+"""zeropower against the float64 SVD polar factor, torch.optim.Muon's own routine, and its own symmetries."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_muon_newton_schulz
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
+
+from optimizer.coefficients import polar_express_coefficients  # noqa: E402
+from optimizer.newton_schulz import default_ns_dtype, newton_schulz, zeropower  # noqa: E402
+
+KELLER_JORDAN = (3.4445, -4.7750, 2.0315)
+DESIGN_LOWER_BOUND = 1e-3  # the smallest normalized singular value the default Polar Express schedule targets
+
+
+def matrix_with_spectrum(rows: int, cols: int, smallest: float, largest: float, seed: int = 0):
+    """(G, U V^T, singular values) in float64, with singular values log-spaced in [smallest, largest]."""
+    generator = torch.Generator().manual_seed(seed)
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, k, generator=generator, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, k, generator=generator, dtype=torch.float64))
+    s = torch.logspace(math.log10(smallest), math.log10(largest), k, dtype=torch.float64)
+    return (u * s) @ v.T, u @ v.T, s
+
+
+def polar_factor(G: torch.Tensor) -> torch.Tensor:
+    u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return u @ vh
+
+
+def spectral_norm(A: torch.Tensor) -> float:
+    return torch.linalg.matrix_norm(A.double(), ord=2).item()
+
+
+def design_band(steps: int) -> float:
+    """1 - l_k: the Polar Express schedule maps [1e-3, 1] into [l_k, 2 - l_k] (checked in test_coefficients)."""
+    lower = DESIGN_LOWER_BOUND
+    for a, b, c in polar_express_coefficients(steps):
+        lower = a * lower + b * lower**3 + c * lower**5
+    return 1 - lower
+
+
+def random_matrix(*shape: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (50, 50), (33, 17), (1, 20), (20, 1)])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("steps", [1, 5])
+def test_original_preset_in_bf16_matches_torch_muon_bit_for_bit(shape, input_dtype, steps):
+    G = random_matrix(*shape, dtype=input_dtype)
+    before = G.clone()
+    ours = zeropower(G, steps, "original", dtype=torch.bfloat16, eps=1e-7)
+    # torch's routine divides its bf16 working copy in place, which is the caller's tensor for bf16 input.
+    expected = torch_muon_newton_schulz(G.clone(), KELLER_JORDAN, steps, 1e-7)
+    assert ours.dtype == input_dtype and ours.shape == G.shape
+    assert torch.equal(ours.to(torch.bfloat16), expected)
+    assert torch.equal(G, before)
+
+
+@pytest.mark.parametrize("shape", [(96, 160), (160, 96), (64, 64)])
+@pytest.mark.parametrize("steps", [5, 6, 7, 8])
+def test_polar_express_in_fp32_approaches_the_svd_polar_factor(shape, steps):
+    G, exact, s = matrix_with_spectrum(*shape, smallest=1e-2, largest=1.0)
+    assert (s.min() / s.norm()).item() >= DESIGN_LOWER_BOUND  # the spectrum is inside the design range
+    ours = zeropower(G.float(), steps, "polar_express", dtype=torch.float32).double()
+    # Every normalized singular value lies in the design interval, so in exact arithmetic the output's singular
+    # values lie in [l_k, 2 - l_k] and ||out - U V^T||_2 <= 1 - l_k. Rounding: each of the 3*steps products is
+    # backward stable to ~u = 6e-8 relative, and the polar factor amplifies a relative perturbation by at most
+    # the condition number (s_max / s_min = 100 here), so allow 3 * steps * u * 100 on top.
+    rounding = 3 * steps * 2**-24 * (s.max() / s.min()).item()
+    assert spectral_norm(ours - exact) <= design_band(steps) + rounding
+    singular_values = torch.linalg.svdvals(ours)
+    assert (singular_values - 1).abs().max().item() <= design_band(steps) + rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_polar_express_in_low_precision_stays_near_the_polar_factor(dtype):
+    G, exact, _ = matrix_with_spectrum(96, 160, smallest=1e-2, largest=1.0)
+    ours = zeropower(G.float(), 8, "polar_express", dtype=dtype).double()
+    # The unit of error is what storing the exact answer in `dtype` costs: r = ||round(U V^T) - U V^T||_2.
+    # The last steps are flat at 1 (p'(1) = p''(1) = 0), so the singular values carry only the final few
+    # roundings (allow 5 r; measured 1.5 r); the singular vectors carry roundoff from all 24 products, amplified
+    # by the early steep steps (slope up to ~8): allow 100 r (measured about 25 r).
+    r = spectral_norm(exact.to(dtype).double() - exact)
+    assert (torch.linalg.svdvals(ours) - 1).abs().max().item() <= design_band(8) + 5 * r
+    assert spectral_norm(ours - exact) <= 100 * r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_original_preset_gives_singular_values_in_its_known_band(dtype):
+    # Keller Jordan's coefficients trade accuracy for speed: they give U S' V^T with S' roughly in
+    # [0.5, 1.5] (torch.optim.Muon's docstring), not U V^T: a + b + c = 0.70, so 1 is not even a fixed point.
+    G, _, _ = matrix_with_spectrum(128, 192, smallest=1e-1, largest=1.0)
+    singular_values = torch.linalg.svdvals(zeropower(G.float(), 5, "original", dtype=dtype).double())
+    assert singular_values.min().item() >= 0.5 and singular_values.max().item() <= 1.5
+    assert (singular_values - 1).abs().max().item() > 0.1
+
+
+@pytest.mark.parametrize("shape", [(5, 24, 40), (5, 40, 24), (3, 17, 17)])
+def test_batched_equals_each_slice(shape):
+    G = random_matrix(*shape, dtype=torch.float64)
+    G[1] *= 1e3  # each slice is normalized by its own norm
+    G[2].zero_()
+    batched = zeropower(G, 6, "polar_express", dtype=torch.float64)
+    for matrix, result in zip(G, batched):
+        # Same arithmetic through batched kernels instead of 2D ones: only float64 rounding (~1e-16 per
+        # operation, a few hundred operations deep) may differ.
+        torch.testing.assert_close(result, zeropower(matrix, 6, "polar_express", dtype=torch.float64),
+                                   rtol=0, atol=1e-12)
+    assert torch.equal(batched[2], torch.zeros_like(batched[2]))
+
+
+class CountMatrixProducts(TorchFunctionMode):
+    NAMES = {"matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.NAMES
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+def test_a_batch_is_one_call_per_product(batch):
+    steps = 4
+    with CountMatrixProducts() as counter:
+        zeropower(random_matrix(batch, 12, 20), steps, "quintic", dtype=torch.float32)
+    assert counter.count == 3 * steps  # X X^T, b A + c A A, a X + B X: independent of the batch size
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (4, 24, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tall_is_wide_transposed(shape, dtype):
+    # A tall input is iterated as its wide transpose, so the results are the same numbers, bit for bit.
+    G = random_matrix(*shape, dtype=dtype)
+    assert torch.equal(zeropower(G.mT, 5, dtype=dtype), zeropower(G, 5, dtype=dtype).mT)
+
+
+@pytest.mark.parametrize("coefficients", ["original", "quintic", "polar_express"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(16, 24), (3, 24, 16)])
+def test_zero_in_gives_exact_zero_out(coefficients, dtype, shape):
+    G = torch.zeros(shape, dtype=dtype)
+    result = zeropower(G, 5, coefficients, dtype=dtype)
+    assert torch.equal(result, G)  # X / max(||X||, eps) = 0: no 0/0, as in torch.optim.Muon
+
+
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_any_floating_input_dtype_round_trips(input_dtype):
+    G, _, s = matrix_with_spectrum(48, 80, smallest=1e-2, largest=1.0, seed=1)
+    G = G.to(input_dtype)
+    result = zeropower(G, 8, "polar_express", dtype=torch.float32)
+    assert result.dtype == input_dtype and result.shape == G.shape
+    # Against the polar factor of the input as given (after its own rounding): the fp32 allowance of the
+    # accuracy test (3 * steps * u32 * condition number), plus storing the answer back in the input dtype,
+    # which costs about ||round(U V^T) - U V^T||_2 (allow twice that).
+    exact = polar_factor(G)
+    allowance = 3 * 8 * 2**-24 * (s.max() / s.min()).item() + 2 * spectral_norm(exact.to(input_dtype).double() - exact)
+    assert spectral_norm(result.double() - exact) <= design_band(8) + allowance
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (7, 1), (7, 13), (13, 7), (3, 5, 9), (2, 1, 6), (2, 6, 1)])
+def test_odd_sizes(shape):
+    G = random_matrix(*shape, dtype=torch.float64, seed=3)
+    result = zeropower(G, 8, "polar_express", dtype=torch.float32)
+    assert result.shape == G.shape and result.dtype == G.dtype
+    # These small random matrices have normalized singular values above 0.17 (well inside the design range),
+    # so after 8 steps only float32 rounding is left. The allowance is the accuracy test's for a condition
+    # number of 100; theirs are below 4, so it is loose.
+    exact = torch.stack([polar_factor(m) for m in G.reshape(-1, *G.shape[-2:])]).reshape(G.shape)
+    assert (result.double() - exact).abs().max().item() <= 3 * 8 * 2**-24 * 100
+
+
+def test_newton_schulz_runs_a_given_schedule_in_the_input_dtype():
+    G = random_matrix(2, 10, 30, dtype=torch.float64)
+    schedule = polar_express_coefficients(8)
+    result = newton_schulz(G, schedule, 1e-7)
+    assert result.dtype == torch.float64
+    torch.testing.assert_close(result, zeropower(G, 8, schedule, dtype=torch.float64), rtol=0, atol=0)
+
+
+def test_default_ns_dtype():
+    assert default_ns_dtype(torch.device("cpu")) == torch.float32
+    assert default_ns_dtype("cpu") == torch.float32
+    assert default_ns_dtype(torch.device("cuda", 1)) == torch.bfloat16
+    assert default_ns_dtype("xpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"G": torch.ones(4)}, r"Invalid G: shape \(4,\)"),
+    ({"G": torch.ones(2, 3, 4, 5)}, r"Invalid G: shape \(2, 3, 4, 5\)"),
+    ({"G": torch.ones(4, 4, dtype=torch.int32)}, r"Invalid G: dtype torch.int32"),
+    ({"G": torch.ones(4, 4, dtype=torch.complex64)}, r"Invalid G: dtype torch.complex64"),
+    ({"steps": 0}, r"Invalid steps: 0"),
+    ({"steps": 101}, r"Invalid steps: 101 .*three matrix products"),
+    ({"steps": 5.0}, r"Invalid steps: 5.0"),
+    ({"dtype": torch.int64}, r"Invalid dtype: torch.int64"),
+    ({"eps": 0.0}, r"Invalid eps: 0.0"),
+    ({"eps": -1e-7}, r"Invalid eps: -1e-07"),
+    ({"eps": float("inf")}, r"Invalid eps: inf"),
+    ({"coefficients": "cubic"}, r"Invalid coefficients: 'cubic'"),
+    ({"coefficients": [(1.0, 2.0)]}, r"Invalid coefficients\[0\]"),
+])
+def test_bad_arguments_are_rejected(kwargs, message):
+    arguments = {"G": torch.ones(4, 6), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        zeropower(**arguments)

@@ -1,0 +1,79 @@
+"""Which parameters go to Muon: shape rules and the model-aware default groups."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernel_under_test import optimizer
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.mlp = nn.Linear(width, 4 * width, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, width, width))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 50, width: int = 16, tie: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
+        self.stem = nn.Conv1d(width, width, 3)
+        self.final_norm = nn.RMSNorm(width)
+        self.decoder = nn.Linear(width, vocab, bias=False)  # not named lm_head: found as the vocabulary projection
+        if tie:
+            self.decoder.weight = self.embed.weight
+
+
+def roles(model: nn.Module) -> dict[str, tuple[bool, str | None, float | None]]:
+    groups = optimizer.muon_param_groups(model, lr=0.1)
+    return {name: (group["use_muon"], group.get("param_layout"), group.get("adamw_weight_decay"))
+            for group in groups for name, _ in group["params"]}
+
+
+def test_default_groups_send_embeddings_head_norms_biases_to_adamw() -> None:
+    found = roles(TinyLM())
+    assert found["embed.weight"] == (False, None, None)
+    assert found["decoder.weight"] == (False, None, None)
+    assert found["final_norm.weight"] == (False, None, 0.0)
+    for block in ("blocks.0", "blocks.1"):
+        assert found[f"{block}.norm.weight"][0] is False and found[f"{block}.qkv.bias"] == (False, None, 0.0)
+        assert found[f"{block}.qkv.weight"] == (True, None, None)
+        assert found[f"{block}.mlp.weight"] == (True, None, None)
+        assert found[f"{block}.experts"] == (True, None, None)
+    assert found["stem.weight"] == (True, "conv", None)
+    assert len(found) == sum(1 for _ in TinyLM().named_parameters())
+
+
+def test_tied_head_appears_once_with_adamw() -> None:
+    model = TinyLM(tie=True)
+    groups = optimizer.muon_param_groups(model)
+    listed = [p for group in groups for _, p in group["params"]]
+    assert sum(p is model.embed.weight for p in listed) == 1
+    assert roles(model)["embed.weight"][0] is False
+
+
+def test_overrides_reach_every_group_and_the_optimizer_accepts_them() -> None:
+    model = TinyLM()
+    groups = optimizer.muon_param_groups(model, lr=0.05, adamw_weight_decay=0.3)
+    assert all(group["lr"] == 0.05 for group in groups)
+    decays = sorted(group["adamw_weight_decay"] for group in groups if not group["use_muon"])
+    assert decays == [0.0, 0.3]
+    optimizer.Muon(groups)
+
+
+def test_shape_routing_without_groups() -> None:
+    matrix, vector, thin, scalar, conv = (torch.randn(8, 8), torch.randn(8), torch.randn(1, 64),
+                                          torch.randn(()), torch.randn(4, 2, 3, 3))
+    extreme = torch.randn(2, 300)  # aspect ratio 150 > 128: a list of vectors, not a map
+    params = [matrix, vector, thin, scalar, conv, extreme]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = optimizer.Muon(params)
+    opt.step()
+    muon_routed = [p for p in params if "momentum_buffer" in opt.state[p]]
+    assert [p.shape for p in muon_routed] == [matrix.shape, conv.shape]

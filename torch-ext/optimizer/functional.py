@@ -1,0 +1,126 @@
+"""The single-device update math, on plain tensors: Muon for matrices, torch's fused AdamW for the rest.
+
+Neither function syncs with the host: a parameter whose gradient is not finite is detected on the device and its
+update is masked to an exact no-op (parameter and optimizer state unchanged), and its skip counter is incremented.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.optim.adamw import adamw
+
+from . import native
+from .coefficients import Coefficients
+from .newton_schulz import newton_schulz
+from .routing import MatrixView
+
+ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral")
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """Scales lr for a (rows=out, cols=in) matrix so updates of different shapes have comparable size."""
+    if adjust_lr_fn == "original":  # Keller Jordan's Muon
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":  # Moonshot: update RMS matches AdamW's, so AdamW's lr and wd carry over
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "spectral":  # sqrt(fan_out / fan_in), the spectral-norm scaling
+        return lr * math.sqrt(rows / cols)
+    return lr
+
+
+@dataclass
+class MuonTensors:
+    """One Muon parameter with what its update needs."""
+
+    param: Tensor
+    grad: Tensor
+    momentum_buffer: Tensor
+    nonfinite_skips: Tensor
+    view: MatrixView
+
+
+def _bucket(items: Sequence[MuonTensors]) -> dict[tuple, list[MuonTensors]]:
+    """Parameters whose matrices share shape, device and dtype are orthogonalized in one batched call."""
+    buckets: dict[tuple, list[MuonTensors]] = {}
+    for item in items:
+        key = (item.param.device, item.param.dtype, item.view.rows, item.view.cols)
+        buckets.setdefault(key, []).append(item)
+    return buckets
+
+
+def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nesterov: bool) -> Tensor:
+    """Momentum step for the bucket, writing each update straight into its slice of the (batch, rows, cols) stack."""
+    outputs: list[Tensor] = []
+    scattered: list[tuple[Tensor, Tensor, MatrixView]] = []
+    offset = 0
+    for item in bucket:
+        target = matrices[offset:offset + item.view.batch]
+        offset += item.view.batch
+        if item.view.spatial_batched:  # not a view of the stack: fill a temporary, then permute it in
+            temp = torch.empty(item.param.shape, dtype=matrices.dtype, device=matrices.device)
+            scattered.append((target, temp, item.view))
+            outputs.append(temp)
+        else:
+            outputs.append(target.view(item.param.shape))
+    finite = native.muon_momentum_(
+        [item.momentum_buffer for item in bucket], [item.grad.contiguous() for item in bucket], outputs,
+        beta, nesterov)
+    for target, temp, view in scattered:
+        target.copy_(view.to_matrices(temp))
+    return finite
+
+
+def muon_update(items: Sequence[MuonTensors], *, lr: float, weight_decay: float, momentum: float, nesterov: bool,
+                coefficients: list[Coefficients], eps: float, adjust_lr_fn: str | None,
+                ns_dtype: torch.dtype) -> None:
+    """Momentum, batched Newton-Schulz per bucket, decoupled weight decay and the scaled update."""
+    for (device, _, rows, cols), bucket in _bucket(items).items():
+        batches = [item.view.batch for item in bucket]
+        matrices = torch.empty(sum(batches), rows, cols, dtype=ns_dtype, device=device)
+        finite = _momentum_into(bucket, matrices, momentum, nesterov)
+        orthogonal = newton_schulz(matrices, coefficients, eps)
+        # Multiplying by exactly 1 or 0 is exact in any dtype: a skipped parameter gets a zero update.
+        per_matrix = finite if len(batches) == len(matrices) else finite.repeat_interleave(
+            torch.tensor(batches, device=device))
+        orthogonal.mul_(per_matrix.view(-1, 1, 1))
+        params = [item.param for item in bucket]
+        skipped = finite.eq(0)
+        for item, was_skipped in zip(bucket, skipped.unbind()):
+            item.nonfinite_skips.add_(was_skipped)
+        if weight_decay != 0:
+            decay = torch.where(skipped, 1.0, 1.0 - lr * weight_decay)
+            torch._foreach_mul_(params, list(decay.unbind()))
+        updates = [item.view.from_matrices(part, item.param.shape)
+                   for item, part in zip(bucket, orthogonal.split(batches))]
+        torch._foreach_add_(params, updates, alpha=-adjusted_lr(lr, adjust_lr_fn, rows, cols))
+
+
+@dataclass
+class AdamWTensors:
+    """One AdamW parameter with its state."""
+
+    param: Tensor
+    grad: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: Tensor
+    nonfinite_skips: Tensor
+
+
+def adamw_update(items: Sequence[AdamWTensors], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float) -> None:
+    """torch's fused AdamW, one parameter per call so that each has its own skip flag (`found_inf`)."""
+    if not items:
+        return
+    norms = torch._foreach_norm([item.grad for item in items], float("inf"))
+    for item, norm in zip(items, norms):
+        found_inf = norm.isfinite().logical_not().to(torch.float32)
+        item.nonfinite_skips.add_(found_inf.to(item.nonfinite_skips.dtype))
+        adamw([item.param], [item.grad], [item.exp_avg], [item.exp_avg_sq], [], [item.step], fused=True,
+              found_inf=found_inf, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
+              weight_decay=weight_decay, eps=eps, maximize=False)

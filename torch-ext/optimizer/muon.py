@@ -1,0 +1,209 @@
+"""`Muon`: the optimizer class. Validation, parameter groups, state and the step's orchestration."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .coefficients import Coefficients, resolve_coefficients
+from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, muon_update
+from .newton_schulz import default_ns_dtype
+from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
+
+# State keys that must keep their own dtype and device through load_state_dict (torch casts other floating state to
+# the parameter's dtype, which would turn a step count into bf16 for a bf16 parameter).
+_EXACT_STATE_KEYS = ("step", "nonfinite_skips")
+
+
+def _check_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or not math.isfinite(value):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    _check_nonnegative(name, value)
+    if value >= 1:
+        raise ValueError(f"Invalid {name}: {value!r} (expected a number in [0, 1))")
+
+
+def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(map(repr, allowed))})")
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    for key in ("lr", "weight_decay", "eps", "adamw_eps"):
+        _check_nonnegative(key, group[key])
+    if not group["eps"] > 0:
+        raise ValueError(f"Invalid eps: {group['eps']!r} (expected a number > 0)")
+    _check_fraction("momentum", group["momentum"])
+    for key in ("adamw_lr", "adamw_weight_decay"):
+        if group[key] is not None:
+            _check_nonnegative(key, group[key])
+    betas = group["adamw_betas"]
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"Invalid adamw_betas: {betas!r} (expected two numbers in [0, 1))")
+    for beta in betas:
+        _check_fraction("adamw_betas", beta)
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
+        raise ValueError(f"Invalid ns_steps: {steps!r} (expected an integer in [1, 100])")
+    try:
+        resolve_coefficients(group["ns_coefficients"], steps)
+    except ValueError as error:
+        raise ValueError(f"Invalid ns_coefficients: {error}") from None
+    _check_choice("adjust_lr_fn", group["adjust_lr_fn"], (*ADJUST_LR_FNS, None))
+    _check_choice("conv_mode", group["conv_mode"], CONV_MODES)
+    _check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
+    _check_choice("use_muon", group["use_muon"], (None, True, False))
+    dtype = group["ns_dtype"]
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"Invalid ns_dtype: {dtype!r} (expected None or a floating torch.dtype)")
+
+
+class Muon(Optimizer):
+    """Muon for matrices (momentum, then Newton-Schulz orthogonalization), AdamW for every other parameter.
+
+    Routing: a group's ``use_muon`` forces Muon (True) or AdamW (False); without it, matrices, conv weights and 3D
+    expert banks that are not degenerate go to Muon and the rest (1D, scalars, thin shapes) to AdamW. Use
+    :func:`muon_param_groups` to also send embeddings and the output head to AdamW.
+
+    Args:
+        params: parameters or parameter groups (dicts); groups may set any option below, plus ``use_muon``
+            (None/True/False) and ``param_layout`` ("auto", "conv" for Conv1d weights, "experts").
+        lr: learning rate. weight_decay: decoupled (``p *= 1 - lr * weight_decay``), as torch.optim.Muon does.
+        momentum, nesterov: the momentum buffer is ``lerp(grad, 1 - momentum)``; Nesterov orthogonalizes
+            ``lerp(grad, buffer, momentum)``.
+        ns_steps, ns_coefficients: Newton-Schulz iterations and their (a, b, c) coefficients: "polar_express",
+            "quintic", "original", or a list of triples (the last repeats).
+        eps: lower clamp of the Frobenius norm before the iteration.
+        adjust_lr_fn: "match_rms_adamw" (0.2 * sqrt(max(out, in))), "original" (sqrt(max(1, out / in))),
+            "spectral" (sqrt(out / in)) or None (no scaling).
+        ns_dtype: Newton-Schulz compute dtype; None is bfloat16 on accelerators and float32 on CPUs.
+        conv_mode: "flatten" (out, in * k) or "batched" (one (out, in) matrix per kernel position).
+        adamw_lr: AdamW's lr, scaled by the group's LR schedule; None uses lr. adamw_betas, adamw_eps: AdamW's.
+        adamw_weight_decay: AdamW's decoupled weight decay; None uses weight_decay.
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
+                 lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = 5, ns_coefficients: str | list[Coefficients] = "polar_express", eps: float = 1e-7,
+                 adjust_lr_fn: str | None = "match_rms_adamw", ns_dtype: torch.dtype | None = None,
+                 conv_mode: str = "flatten", adamw_lr: float | None = None,
+                 adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float | None = None) -> None:
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
+                        conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                        adamw_weight_decay=adamw_weight_decay, use_muon=None, param_layout="auto")
+        _validate_group(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        candidate = {**self.defaults, **param_group}
+        _validate_group(candidate)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["use_muon"]:
+            names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
+            try:
+                for name, param in zip(names, group["params"]):
+                    check_forced_muon(name, param.shape)
+            except ValueError:
+                self.param_groups.pop()  # a rejected group leaves the optimizer as it was
+                raise
+
+    def _uses_muon(self, group: dict[str, Any], param: Tensor) -> bool:
+        if group["use_muon"] is not None:
+            return group["use_muon"]
+        return suits_muon(param.shape, group["param_layout"], group["conv_mode"])
+
+    @staticmethod
+    def _adamw_lr(group: dict[str, Any]) -> float:
+        """adamw_lr follows the group's LR schedule: schedulers record the base lr as `initial_lr`."""
+        if group["adamw_lr"] is None:
+            return group["lr"]
+        base = group.get("initial_lr", group["lr"])
+        return group["adamw_lr"] * (group["lr"] / base if base else 1.0)
+
+    def _gather(self, group: dict[str, Any]) -> tuple[list[MuonTensors], list[AdamWTensors]]:
+        """The group's parameters with gradients, with lazily created state. Raises before changing anything."""
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(f"Muon does not support sparse gradients (parameter of shape {tuple(param.shape)})")
+            if torch.is_complex(param) or torch.is_complex(grad):
+                raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
+        muon_items: list[MuonTensors] = []
+        adamw_items: list[AdamWTensors] = []
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if "nonfinite_skips" not in state:
+                state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64, device=param.device)
+            if self._uses_muon(group, param):
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
+                muon_items.append(MuonTensors(param, param.grad, state["momentum_buffer"],
+                                              state["nonfinite_skips"], view))
+            else:
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                adamw_items.append(AdamWTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                                                state["step"], state["nonfinite_skips"]))
+        return muon_items, adamw_items
+
+    def _muon_step(self, group: dict[str, Any], items: list[MuonTensors]) -> None:
+        if not items:
+            return
+        ns_dtype = group["ns_dtype"] or default_ns_dtype(items[0].param.device)
+        muon_update(items, lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+                    nesterov=group["nesterov"],
+                    coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
+                    eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype)
+
+    def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
+        weight_decay = group["adamw_weight_decay"]
+        adamw_update(items, lr=self._adamw_lr(group), betas=tuple(group["adamw_betas"]), eps=group["adamw_eps"],
+                     weight_decay=group["weight_decay"] if weight_decay is None else weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimization step. `closure` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        gathered = [self._gather(group) for group in self.param_groups]  # all checks before any update
+        for group, (muon_items, adamw_items) in zip(self.param_groups, gathered):
+            self._muon_step(group, muon_items)
+            self._adamw_step(group, adamw_items)
+        return loss
+
+    def nonfinite_skips(self) -> int:
+        """How many parameter updates were skipped because a gradient had a NaN or Inf (syncs with the device)."""
+        return int(sum(int(state["nonfinite_skips"]) for state in self.state.values() if "nonfinite_skips" in state))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+        params = chain.from_iterable(group["params"] for group in self.param_groups)
+        for saved_id, param in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id, {})
+            for key in _EXACT_STATE_KEYS:
+                if key in saved:
+                    dtype = torch.float32 if key == "step" else torch.int64
+                    self.state[param][key] = saved[key].to(dtype=dtype, device=param.device).clone()

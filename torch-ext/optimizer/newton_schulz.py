@@ -1,0 +1,67 @@
+"""Approximate polar factor (the "zeroth power" U V^T of G = U S V^T) by odd quintic Newton-Schulz steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .coefficients import Coefficients, resolve_coefficients
+
+# Each step costs three matrix products, and no schedule here improves past about ten steps.
+_MAX_STEPS = 100
+
+
+def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficients] = "polar_express",
+              dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> Tensor:
+    """Approximate U V^T for a matrix (m, n) or for each matrix of a batch (B, m, n), computed in `dtype`.
+
+    `coefficients` is a preset name ("original", "quintic", "polar_express") or a sequence of (a, b, c)
+    triples, one per step (the last repeats). The result has G's shape and dtype.
+    """
+    _check_matrix(G)
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _MAX_STEPS:
+        raise ValueError(f"Invalid steps: {steps!r} (expected an integer in [1, {_MAX_STEPS}]; each step costs "
+                         "three matrix products and no schedule improves past about ten)")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"Invalid dtype: {dtype!r} (expected a floating torch.dtype)")
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+        raise ValueError(f"Invalid eps: {eps!r} (expected a finite number > 0)")
+    schedule = resolve_coefficients(coefficients, steps)
+    return newton_schulz(G.to(dtype), schedule, eps).to(G.dtype)
+
+
+def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
+    """The iteration itself, in G's dtype, for validated inputs: G is (m, n) or (B, m, n), one step per triple.
+
+    Works on the wide orientation (the Gram matrix is min(m, n) squared) and scales each matrix by its
+    Frobenius norm, an upper bound on its spectral norm, so every singular value starts in [0, 1]. For a 2D G
+    the operations and their order are those of torch.optim.Muon, so results match it bit for bit.
+    """
+    tall = G.size(-2) > G.size(-1)
+    X = G.mT if tall else G
+    # Clamped, not offset: a zero matrix stays exactly zero. The full reduction for 2D is torch.optim.Muon's.
+    norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
+    X = X / norm.clamp(min=eps)
+    add_matmul = torch.addmm if X.ndim == 2 else torch.baddbmm
+    for a, b, c in coefficients:
+        gram = X @ X.mT
+        polynomial = add_matmul(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
+        X = add_matmul(X, polynomial, X, beta=a)  # a*X + (b*A + c*A@A) @ X
+    return X.mT if tall else X
+
+
+def default_ns_dtype(device: torch.device | str) -> torch.dtype:
+    """bfloat16 on accelerators (fast tensor-core products); float32 on the CPU, where bfloat16 products are
+    slower than float32 ones."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def _check_matrix(G: Tensor) -> None:
+    if not isinstance(G, Tensor) or G.ndim not in (2, 3):
+        shape = tuple(G.shape) if isinstance(G, Tensor) else type(G).__name__
+        raise ValueError(f"Invalid G: shape {shape} (expected a matrix (m, n) or a batch of matrices (B, m, n))")
+    if not G.dtype.is_floating_point:
+        raise ValueError(f"Invalid G: dtype {G.dtype} (expected a floating dtype)")

@@ -1,0 +1,153 @@
+"""Which parameters Muon orthogonalizes, and how each one is viewed as a stack of matrices."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+ConvMode = Literal["flatten", "batched"]
+ParamLayout = Literal["auto", "conv", "experts"]
+CONV_MODES: tuple[str, ...] = ("flatten", "batched")
+PARAM_LAYOUTS: tuple[str, ...] = ("auto", "conv", "experts")
+
+# A matrix this much longer than it is wide is closer to a list of vectors than to a linear map; timm routes such
+# shapes to AdamW by default, and so do we (forcing `use_muon=True` still orthogonalizes it).
+MAX_ASPECT_RATIO = 128
+
+
+@dataclass(frozen=True)
+class MatrixView:
+    """How one parameter is seen by Newton-Schulz: `batch` matrices of shape (rows, cols).
+
+    `to_matrices` / `from_matrices` convert between the parameter's own layout and the (batch, rows, cols) stack.
+    """
+
+    batch: int
+    rows: int
+    cols: int
+    spatial_batched: bool  # conv "batched" mode: one (out, in) matrix per kernel position
+
+    def to_matrices(self, tensor: Tensor) -> Tensor:
+        if self.spatial_batched:
+            return tensor.flatten(2).permute(2, 0, 1)
+        return tensor.reshape(self.batch, self.rows, self.cols)
+
+    def from_matrices(self, matrices: Tensor, shape: torch.Size) -> Tensor:
+        if self.spatial_batched:
+            return matrices.permute(1, 2, 0).reshape(shape)
+        return matrices.reshape(shape)
+
+
+def matrix_view(shape: torch.Size, layout: str = "auto", conv_mode: str = "flatten") -> MatrixView:
+    """The matrix view of a parameter of `shape` (ndim >= 2).
+
+    2D: one matrix. 3D: a bank of experts (E, out, in) unless `layout == "conv"` (a Conv1d weight).
+    4D/5D (or `layout == "conv"`): a conv weight (out, in, *kernel), flattened to (out, in * k) or, in conv_mode
+    "batched", one (out, in) matrix per kernel position. `layout == "experts"`: every leading dim is a batch dim.
+    """
+    if len(shape) < 2:
+        raise ValueError(f"Muon needs a parameter with at least 2 dimensions, got shape {tuple(shape)}")
+    if len(shape) == 2:
+        return MatrixView(1, shape[0], shape[1], False)
+    is_conv = layout == "conv" or (layout == "auto" and len(shape) >= 4)
+    if not is_conv:
+        return MatrixView(int(torch.Size(shape[:-2]).numel()), shape[-2], shape[-1], False)
+    out_channels, in_channels = shape[0], shape[1]
+    kernel_size = int(torch.Size(shape[2:]).numel())
+    if conv_mode == "batched":
+        return MatrixView(kernel_size, out_channels, in_channels, True)
+    return MatrixView(1, out_channels, in_channels * kernel_size, False)
+
+
+def suits_muon(shape: torch.Size, layout: str = "auto", conv_mode: str = "flatten") -> bool:
+    """Shape routing when a group does not say: matrices that are not degenerate go to Muon, the rest to AdamW."""
+    if len(shape) < 2 or 0 in shape:
+        return False
+    view = matrix_view(shape, layout, conv_mode)
+    short, long = sorted((view.rows, view.cols))
+    return short >= 2 and long <= MAX_ASPECT_RATIO * short
+
+
+def check_forced_muon(name: str, shape: torch.Size) -> None:
+    """A parameter a group forces into Muon (`use_muon=True`) must be a matrix or a stack of them."""
+    if len(shape) < 2:
+        raise ValueError(
+            f"use_muon=True for parameter {name} of shape {tuple(shape)}: Muon orthogonalizes matrices and needs "
+            "at least 2 dimensions; leave use_muon unset (or False) to train it with AdamW"
+        )
+    if 0 in shape:
+        raise ValueError(f"use_muon=True for parameter {name} of shape {tuple(shape)}: it has no elements")
+
+
+# --- model-aware default groups ------------------------------------------------------------------------------
+
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+_HEAD_NAMES = ("lm_head", "output", "head", "classifier")
+
+
+def _is_output_head(name: str, module: nn.Module, embedding_weights: set[int], last_linear: nn.Module | None,
+                    vocab_sizes: set[int]) -> bool:
+    if not isinstance(module, nn.Linear):
+        return False
+    if id(module.weight) in embedding_weights:  # tied with an input embedding
+        return True
+    if name.rsplit(".", 1)[-1] in _HEAD_NAMES:
+        return True
+    return module is last_linear and module.out_features in vocab_sizes
+
+
+def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
+    """Yields (name, parameter, role) with role in {"muon", "muon_conv1d", "adamw", "adamw_no_decay"}."""
+    modules = dict(model.named_modules())
+    embeddings = [m for m in modules.values() if isinstance(m, nn.Embedding | nn.EmbeddingBag)]
+    embedding_weights = {id(m.weight) for m in embeddings}
+    vocab_sizes = {m.num_embeddings for m in embeddings}
+    linears = [m for m in modules.values() if isinstance(m, nn.Linear)]
+    last_linear = linears[-1] if linears else None
+    heads = {id(m.weight) for name, m in modules.items()
+             if _is_output_head(name, m, embedding_weights, last_linear, vocab_sizes)}
+    for module_name, module in modules.items():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if isinstance(module, _NORM_TYPES) or param.ndim < 2:
+                role = "adamw_no_decay"
+            elif id(param) in embedding_weights or id(param) in heads:
+                role = "adamw"
+            elif isinstance(module, nn.Conv1d | nn.ConvTranspose1d):
+                role = "muon_conv1d"
+            else:
+                role = "muon" if suits_muon(param.shape) else "adamw"
+            yield name, param, role
+
+
+def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]]:
+    """Default parameter groups for `Muon`, decided from each parameter's module and name.
+
+    Muon: hidden matrices (Linear, conv, 3D expert banks). AdamW: `nn.Embedding` weights and the output head (a
+    Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose output size is a
+    vocabulary size); AdamW without weight decay: norms, biases and other 1D/scalar parameters. `overrides` (any Muon
+    option: lr, weight_decay, adamw_lr, ...) are set on every group; the no-decay group keeps adamw_weight_decay=0.
+    Shared (tied) parameters appear once. Groups carry `param_names`, so state dicts are keyed readably.
+    """
+    roles: dict[str, list[tuple[str, Tensor]]] = {}
+    seen: set[int] = set()
+    for name, param, role in _classify(model):
+        if id(param) in seen or not param.requires_grad:
+            continue
+        seen.add(id(param))
+        roles.setdefault(role, []).append((name, param))
+    role_options: dict[str, dict[str, Any]] = {
+        "muon": {"use_muon": True},
+        "muon_conv1d": {"use_muon": True, "param_layout": "conv"},
+        "adamw": {"use_muon": False},
+        "adamw_no_decay": {"use_muon": False, "adamw_weight_decay": 0.0},
+    }
+    return [
+        {"params": roles[role], **overrides, **options}
+        for role, options in role_options.items()
+        if roles.get(role)
+    ]
