@@ -1,0 +1,170 @@
+// Muon's momentum step on the GPU: per tensor, a grid-stride finite check that writes the tensor's flag, then a
+// grid-stride update that reads the flag on the device.
+#include <algorithm>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "muon_momentum_launch.h"
+
+namespace muon_cuda {
+namespace {
+
+constexpr int kThreads = 256;
+// Grid-stride loops cover any size; 4096 blocks of 256 threads still fill an H100 (132 SMs) several times over.
+constexpr int64_t kMaxBlocks = 4096;
+
+unsigned int blocks_for(int64_t numel) {
+  return static_cast<unsigned int>(std::min((numel + kThreads - 1) / kThreads, kMaxBlocks));
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+template <typename F>
+void dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return f(Tag<float>{});
+    case DType::kFloat64:
+      return f(Tag<double>{});
+    case DType::kBFloat16:
+      return f(Tag<__nv_bfloat16>{});
+    case DType::kFloat16:
+      return f(Tag<__half>{});
+  }
+}
+
+// torch's rule for arithmetic: float for float and the 16-bit types, double for double.
+template <typename T>
+struct OpMath {
+  using type = float;
+};
+template <>
+struct OpMath<double> {
+  using type = double;
+};
+
+__device__ __forceinline__ float load(float x) { return x; }
+__device__ __forceinline__ double load(double x) { return x; }
+__device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float load(__half x) { return __half2float(x); }
+
+// Round-to-nearest-even stores from float or double (double goes straight to the 16-bit types: one rounding).
+template <typename T>
+struct Store;
+template <>
+struct Store<float> {
+  template <typename S>
+  __device__ static float from(S x) { return static_cast<float>(x); }
+};
+template <>
+struct Store<double> {
+  template <typename S>
+  __device__ static double from(S x) { return static_cast<double>(x); }
+};
+template <>
+struct Store<__nv_bfloat16> {
+  __device__ static __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+  __device__ static __nv_bfloat16 from(double x) { return __double2bfloat16(x); }
+};
+template <>
+struct Store<__half> {
+  __device__ static __half from(float x) { return __float2half_rn(x); }
+  __device__ static __half from(double x) { return __double2half(x); }
+};
+
+// torch.lerp's split: exact at both ends, and the smaller of weight and 1 - weight scales the difference.
+template <typename T>
+__device__ __forceinline__ T lerp(T start, T end, T weight) {
+  return fabs(weight) < T(0.5) ? start + weight * (end - start) : end - (end - start) * (T(1) - weight);
+}
+
+__device__ __forceinline__ int64_t first_index() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+__global__ void mark_all_finite_kernel(float* flags, int64_t count) {
+  for (int64_t i = first_index(); i < count; i += grid_stride()) {
+    flags[i] = 1.0f;
+  }
+}
+
+template <typename T>
+__global__ void check_finite_kernel(const T* __restrict__ grad, int64_t numel, float* __restrict__ flag) {
+  bool nonfinite = false;
+  for (int64_t j = first_index(); j < numel; j += grid_stride()) {
+    nonfinite |= !isfinite(load(grad[j]));
+  }
+  // At most one store per warp; every writer stores the same 0, so the race between warps is harmless.
+  if (__any_sync(0xffffffffu, nonfinite) && threadIdx.x % warpSize == 0) {
+    *flag = 0.0f;
+  }
+}
+
+template <typename V, typename U, bool nesterov>
+__global__ void momentum_update_kernel(V* __restrict__ buffer, const V* __restrict__ grad, U* __restrict__ update,
+                                       int64_t numel, typename OpMath<V>::type grad_weight,
+                                       typename OpMath<V>::type buffer_weight, const float* __restrict__ flag) {
+  using opmath_t = typename OpMath<V>::type;
+  if (*flag == 0.0f) {
+    for (int64_t j = first_index(); j < numel; j += grid_stride()) {
+      update[j] = Store<U>::from(opmath_t(0));
+    }
+    return;
+  }
+  for (int64_t j = first_index(); j < numel; j += grid_stride()) {
+    const opmath_t g = load(grad[j]);
+    const V new_buffer = Store<V>::from(lerp(load(buffer[j]), g, grad_weight));
+    buffer[j] = new_buffer;
+    // Nesterov blends with the buffer as stored, as `grad.lerp(buf, beta)` would after `buf.lerp_(grad, 1 - beta)`.
+    update[j] = Store<U>::from(nesterov ? lerp(g, load(new_buffer), buffer_weight) : load(new_buffer));
+  }
+}
+
+}  // namespace
+
+void launch_mark_all_finite(float* flags, int64_t count, cudaStream_t stream) {
+  if (count == 0) {
+    return;
+  }
+  mark_all_finite_kernel<<<blocks_for(count), kThreads, 0, stream>>>(flags, count);
+}
+
+void launch_check_finite(const void* grad, DType grad_dtype, int64_t numel, float* flag, cudaStream_t stream) {
+  if (numel == 0) {
+    return;
+  }
+  dispatch_dtype(grad_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    check_finite_kernel<T><<<blocks_for(numel), kThreads, 0, stream>>>(static_cast<const T*>(grad), numel, flag);
+  });
+}
+
+void launch_momentum_update(void* buffer, const void* grad, DType value_dtype, void* update, DType update_dtype,
+                            int64_t numel, double beta, bool nesterov, const float* flag, cudaStream_t stream) {
+  if (numel == 0) {
+    return;
+  }
+  dispatch_dtype(value_dtype, [&](auto value_tag) {
+    dispatch_dtype(update_dtype, [&](auto update_tag) {
+      using V = typename decltype(value_tag)::type;
+      using U = typename decltype(update_tag)::type;
+      using opmath_t = typename OpMath<V>::type;
+      // 1 - beta is taken in double and then rounded, as torch does with a Python-float lerp weight.
+      const auto grad_weight = static_cast<opmath_t>(1.0 - beta);
+      const auto buffer_weight = static_cast<opmath_t>(beta);
+      auto* kernel = nesterov ? momentum_update_kernel<V, U, true> : momentum_update_kernel<V, U, false>;
+      kernel<<<blocks_for(numel), kThreads, 0, stream>>>(static_cast<V*>(buffer), static_cast<const V*>(grad),
+                                                         static_cast<U*>(update), numel, grad_weight, buffer_weight,
+                                                         flag);
+    });
+  });
+}
+
+}  // namespace muon_cuda

@@ -1,0 +1,32 @@
+"""Shared test setup. Environment first: both settings are read when the libraries that use them are imported."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+# Triton kernels run in its interpreter on CPU-only machines; it must be chosen before any @triton.jit runs.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests load the local build only; nothing may reach the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_build_tool() -> ModuleType:
+    """tools/build.py as a module (it is a script, not a package), for tests that check its command lines."""
+    spec = importlib.util.spec_from_file_location("optimizer_build_tool", REPO_ROOT / "tools" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def build_tool() -> ModuleType:
+    return load_build_tool()

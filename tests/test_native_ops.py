@@ -1,0 +1,250 @@
+"""`native.muon_momentum_` on both paths (the compiled op and the pure-PyTorch fallback) against float64 torch.lerp.
+
+The truth is torch's own lerp in float64 on the same inputs; each tolerance below says which roundings separate the
+op from it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
+
+HAS_CUDA = torch.cuda.is_available()
+BUFFER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+UPDATE_DTYPES = (torch.float32, torch.bfloat16)
+# Odd sizes catch tail handling; 70001 elements is more than two parallel chunks (grain 32768) on the CPU op.
+SHAPES = ((1,), (7,), (3, 5), (33, 17), (70001,), (2, 3, 4))
+
+
+def _paths() -> list:
+    needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+    return [pytest.param((kind, device), id=f"{kind}-{device}", marks=needs_cuda if device == "cuda" else ())
+            for device in ("cpu", "cuda") for kind in ("compiled", "fallback")]
+
+
+@pytest.fixture(params=_paths())
+def path(request: pytest.FixtureRequest) -> tuple[ModuleType, str]:
+    """(native module, device), with the path it claims checked: compiled means a compiled kernel for that device."""
+    kind, device = request.param
+    if kind == "fallback":
+        native = submodule(load_fallback_variant(), "native")
+        assert native.ops_summary().startswith("pure PyTorch fallback")
+    else:
+        native = submodule(optimizer if device == "cuda" else load_cpu_variant(), "native")
+        devices = native.ops_summary().split("(")[1].split(")")[0].split(", ")
+        assert device in devices, f"the {device} build has no compiled {device} kernel: {native.ops_summary()}"
+    return native, device
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor, relative: float,
+                  what: str) -> None:
+    error = (actual.double() - expected).abs()
+    # Below the smallest normal number the rounding error is absolute: half the subnormal spacing of the stored dtype.
+    dtype = actual.dtype
+    bound = relative * scale + _unit_roundoff(dtype) * torch.finfo(dtype).smallest_normal
+    worst = (error / bound).max().item() if error.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error up to {worst:.2f}x the allowed bound"
+
+
+def _run(native: ModuleType, device: str, buffer_dtype: torch.dtype, update_dtype: torch.dtype, shape: tuple,
+         beta: float, nesterov: bool, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    buffer = torch.randn(shape, generator=generator, dtype=torch.float64).to(buffer_dtype).to(device)
+    grad = (3 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(buffer_dtype).to(device)
+    update = torch.full(shape, 7.0, dtype=update_dtype, device=device)  # garbage the op must overwrite
+    buffer_before, grad_before = (t.to(torch.float64, copy=True) for t in (buffer, grad))
+
+    finite = native.muon_momentum_([buffer], [grad], [update], beta, nesterov)
+
+    assert finite.dtype == torch.float32 and finite.shape == (1,) and finite.device.type == device
+    assert finite.item() == 1.0
+    assert torch.equal(grad.double(), grad_before), "grads must be read-only"
+    # The bound is the arithmetic's plus the final store's. The lerp runs in float32 (float64 for float64 buffers):
+    # rounding the weight, the difference, the product and the sum costs at most about 4 unit roundoffs of the
+    # operands' magnitude (max(|buffer|, |grad|), which bounds every intermediate). Storing in the buffer's dtype
+    # rounds once more: at most 1 unit roundoff of that dtype.
+    math_dtype = torch.float64 if buffer_dtype == torch.float64 else torch.float32
+    scale = torch.maximum(buffer_before.abs(), grad_before.abs())
+    expected_buffer = torch.lerp(buffer_before, grad_before, 1 - beta)
+    _assert_close(buffer, expected_buffer, scale, 4 * _unit_roundoff(math_dtype) + _unit_roundoff(buffer_dtype),
+                  "momentum buffer")
+    # The update blends with the buffer as stored, so it is checked from the op's own buffer, with the same
+    # reasoning: float32 arithmetic (4 units) plus one rounding to the update's dtype (1 unit).
+    stored = buffer.double()
+    expected_update = torch.lerp(grad_before, stored, beta) if nesterov else stored
+    update_scale = torch.maximum(stored.abs(), grad_before.abs()) if nesterov else stored.abs()
+    _assert_close(update, expected_update, update_scale, 4 * _unit_roundoff(math_dtype) + _unit_roundoff(update_dtype),
+                  "update")
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("update_dtype", UPDATE_DTYPES, ids=str)
+@pytest.mark.parametrize("buffer_dtype", BUFFER_DTYPES, ids=str)
+def test_matches_torch_lerp_in_float64(path, buffer_dtype: torch.dtype, update_dtype: torch.dtype,
+                                       nesterov: bool) -> None:
+    native, device = path
+    for seed, shape in enumerate(SHAPES):
+        # 0.95 is Muon's default; 0.3 takes torch.lerp's other branch (weight >= 0.5 for the buffer step).
+        for beta in (0.95, 0.3):
+            _run(native, device, buffer_dtype, update_dtype, shape, beta, nesterov, seed)
+
+
+@pytest.mark.parametrize("update_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_update_cast_rounds_like_torch(path, update_dtype: torch.dtype) -> None:
+    # With beta = 1 the buffer stays put (lerp weight 0 is exact), so the update is the float32 buffer cast to the
+    # update's dtype, which must match torch's own cast bit for bit, ties (round half to even) included.
+    native, device = path
+    random = torch.randn(4099, generator=torch.Generator().manual_seed(2))
+    # float32 bit patterns halfway between two bfloat16 values, with an even and with an odd upper half.
+    ties = torch.tensor([0x3F808000, 0x3F818000, -0x40800000 + 0x8000, 0x7F7F8000], dtype=torch.int32).view(
+        torch.float32)
+    buffer = torch.cat([random, ties, torch.tensor([0.0, 1e-40, 65504.0, 7e4])]).to(device)
+    expected = buffer.to(update_dtype)
+    update = torch.empty_like(buffer, dtype=update_dtype)
+    native.muon_momentum_([buffer], [torch.zeros_like(buffer)], [update], 1.0, False)
+    assert torch.equal(update.view(torch.int16), expected.view(torch.int16))
+
+
+def test_many_tensors_in_one_call_match_one_at_a_time(path) -> None:
+    # Each tensor's result must not depend on its neighbours: compare a mixed list with separate single calls.
+    native, device = path
+    generator = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float32]
+    shapes = [(5, 3), (17,), (2, 2, 2), (9,), (40000,)]
+    buffers = [torch.randn(s, generator=generator).to(d).to(device) for s, d in zip(shapes, dtypes)]
+    grads = [torch.randn(s, generator=generator).to(d).to(device) for s, d in zip(shapes, dtypes)]
+    together = [b.clone() for b in buffers], [torch.empty(s, device=device) for s in shapes]
+    native.muon_momentum_(together[0], grads, together[1], 0.9, True)
+    for i in range(len(shapes)):
+        alone = buffers[i].clone(), torch.empty(shapes[i], device=device)
+        native.muon_momentum_([alone[0]], [grads[i]], [alone[1]], 0.9, True)
+        assert torch.equal(together[0][i], alone[0]) and torch.equal(together[1][i], alone[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_nonfinite_grads_skip_their_tensor_only(path, dtype: torch.dtype) -> None:
+    native, device = path
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(6, 5), (70001,), (4, 3), (9,), (11,)]
+    buffers = [torch.randn(s, generator=generator).to(dtype).to(device) for s in shapes]
+    grads = [torch.randn(s, generator=generator).to(dtype).to(device) for s in shapes]
+    grads[1][40000] = float("nan")  # in the second parallel chunk of the CPU op
+    grads[2][0, 0] = float("inf")
+    grads[3][-1] = float("-inf")
+    updates = [torch.full(s, 7.0, device=device) for s in shapes]
+    before = [b.clone() for b in buffers]
+
+    finite = native.muon_momentum_(buffers, grads, updates, 0.95, True)
+
+    assert finite.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+    for i in (1, 2, 3):
+        assert torch.equal(buffers[i].view(torch.int16), before[i].view(torch.int16)), "buffer must be untouched"
+        assert torch.equal(updates[i], torch.zeros_like(updates[i]))
+    for i in (0, 4):
+        assert not torch.equal(buffers[i], before[i]) and not updates[i].eq(7.0).any()
+
+
+def test_empty_list(path) -> None:
+    native, _ = path
+    finite = native.muon_momentum_([], [], [], 0.9, True)
+    assert finite.shape == (0,) and finite.dtype == torch.float32
+
+
+def test_empty_tensor_counts_as_finite(path) -> None:
+    native, device = path
+    buffers = [torch.zeros(0, device=device), torch.zeros(3, device=device)]
+    grads = [torch.zeros(0, device=device), torch.ones(3, device=device)]
+    updates = [torch.zeros(0, device=device), torch.zeros(3, device=device)]
+    finite = native.muon_momentum_(buffers, grads, updates, 0.5, False)
+    assert finite.tolist() == [1.0, 1.0]
+    assert torch.equal(updates[1], torch.full((3,), 0.5, device=device))  # lerp(0, 1, 0.5) is exact
+
+
+def _bad_calls(device: str) -> list[tuple[str, tuple, str]]:
+    """(case, arguments of muon_momentum_, text the error must contain)."""
+    def t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return [
+        ("list lengths", ([t(3)], [t(3), t(3)], [t(3)], 0.9, False), "grads has 2 tensors"),
+        ("updates length", ([t(3)], [t(3)], [], 0.9, False), "updates has 0 tensors"),
+        ("grad shape", ([t(3)], [t(4)], [t(3)], 0.9, False), "grads[0] has shape"),
+        ("grad dtype", ([t(3)], [t(3, dtype=torch.bfloat16)], [t(3)], 0.9, False), "grads[0] has dtype"),
+        ("update shape", ([t(3)], [t(3)], [t(2)], 0.9, False), "updates[0] has shape"),
+        ("unsupported dtype", ([t(3, dtype=torch.int32)], [t(3, dtype=torch.int32)], [t(3)], 0.9, False),
+         "momentum_buffers[0] has dtype"),
+        ("non-contiguous", ([t(3, 4)], [t(4, 3).t()], [t(3, 4)], 0.9, False), "grads[0] must be contiguous"),
+        ("beta above 1", ([t(3)], [t(3)], [t(3)], 1.5, False), "beta must be in [0, 1]"),
+        ("beta negative", ([t(3)], [t(3)], [t(3)], -0.1, False), "beta must be in [0, 1]"),
+        ("beta NaN", ([t(3)], [t(3)], [t(3)], float("nan"), False), "beta must be in [0, 1]"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls("cpu"))), ids=[case for case, _, _ in _bad_calls("cpu")])
+def test_bad_arguments_raise_value_error_naming_them(path, case: int) -> None:
+    native, device = path
+    _, arguments, message = _bad_calls(device)[case]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        native.muon_momentum_(*arguments)
+
+
+def test_device_mismatch_raises_value_error(path) -> None:
+    native, device = path
+    other = "meta" if device == "cpu" else "cpu"
+    grads = [torch.zeros(3, device=device)]
+    with pytest.raises(ValueError, match=r"momentum_buffers\[0\] is on"):
+        native.muon_momentum_([torch.zeros(3, device=other)], grads, [torch.zeros(3, device=device)], 0.9, False)
+    with pytest.raises(ValueError, match=r"updates\[0\] is on"):
+        native.muon_momentum_([torch.zeros(3, device=device)], grads, [torch.zeros(3, device=other)], 0.9, False)
+
+
+def test_compiled_op_really_runs(path) -> None:
+    # The profiler records every dispatcher call: the op's namespaced name appears exactly when the compiled path ran.
+    native, device = path
+    tensors = [[torch.zeros(4, device=device)] for _ in range(3)]
+    with torch.profiler.profile() as profile:
+        native.muon_momentum_(*tensors, 0.9, False)
+    ran_compiled = any(event.name.endswith("::muon_momentum_") for event in profile.events())
+    assert ran_compiled == native.ops_summary().startswith("compiled ops")
+
+
+def test_compiled_op_checks_its_finite_argument() -> None:
+    # Direct callers of the op (not through native.py, which allocates `finite`) get a ValueError from the C++ checks.
+    ops = submodule(load_cpu_variant(), "_ops").ops
+    buffer, grad, update = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    for finite in (torch.zeros(2), torch.zeros(1, dtype=torch.float64), torch.zeros(1, 1)):
+        with pytest.raises(ValueError, match="finite must be a contiguous float32 tensor of shape"):
+            ops.muon_momentum_([buffer], [grad], [update], finite, 0.9, False)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_compiled_cuda_op_checks_devices_itself() -> None:
+    # Mixed CPU and CUDA tensors dispatch to the CUDA kernel, whose checks must name the stray argument.
+    ops = submodule(optimizer, "_ops").ops
+    cuda = [torch.zeros(3, device="cuda") for _ in range(3)]
+    with pytest.raises(ValueError, match=r"grads\[0\] is on cpu"):
+        ops.muon_momentum_([cuda[0]], [torch.zeros(3)], [cuda[1]], torch.zeros(1, device="cuda"), 0.9, False)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["compiled", "fallback"])
+def test_no_host_sync_on_cuda(kind: str) -> None:
+    native = submodule(optimizer if kind == "compiled" else load_fallback_variant(), "native")
+    buffers = [torch.zeros(1000, device="cuda"), torch.zeros(10, device="cuda", dtype=torch.bfloat16)]
+    grads = [torch.ones(1000, device="cuda"), torch.full((10,), float("nan"), device="cuda", dtype=torch.bfloat16)]
+    updates = [torch.empty(1000, device="cuda"), torch.empty(10, device="cuda")]
+    native.muon_momentum_(buffers, grads, updates, 0.9, True)  # first call: path choice and lazy init may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        finite = native.muon_momentum_(buffers, grads, updates, 0.9, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert finite.tolist() == [1.0, 0.0]

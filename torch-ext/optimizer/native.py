@@ -1,0 +1,137 @@
+"""The compiled ops of this build variant, with pure-PyTorch fallbacks of the same semantics when they are absent.
+
+The only module that touches `_ops` (generated per build variant; the plain source tree has none).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import Tensor
+
+try:
+    from ._ops import add_op_namespace_prefix, ops
+except ImportError:  # the plain source tree: no build, so no compiled ops
+    add_op_namespace_prefix = None
+    ops = None
+
+logger = logging.getLogger(__name__)
+
+_MOMENTUM_OP = "muon_momentum_"
+_SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def _qualified_name(op_name: str) -> str | None:
+    """`namespace::op_name` when this build registered the op, else None (noarch variants register nothing)."""
+    if add_op_namespace_prefix is None:
+        return None
+    name = add_op_namespace_prefix(op_name)
+    return name if torch._C._dispatch_has_kernel(name) else None
+
+
+def _has_kernel_for(qualified_name: str, device_type: str) -> bool:
+    key = _DISPATCH_KEYS.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, key)
+
+
+@functools.cache
+def _compiled_momentum_op(device_type: str) -> torch._ops.OpOverloadPacket | None:
+    """The compiled op when it has a kernel for this device type; decided and logged once per device type."""
+    name = _qualified_name(_MOMENTUM_OP)
+    if name is not None and _has_kernel_for(name, device_type):
+        logger.info("muon_momentum_ on %s: compiled op %s", device_type, name)
+        return getattr(ops, _MOMENTUM_OP)
+    logger.info("muon_momentum_ on %s: pure PyTorch fallback", device_type)
+    return None
+
+
+def ops_summary() -> str:
+    """One line saying which path runs, e.g. 'compiled ops (cpu): _optimizer_cpu_1a2b3c4d5e'."""
+    name = _qualified_name(_MOMENTUM_OP)
+    if name is None:
+        return "pure PyTorch fallback: this build has no compiled ops"
+    devices = [device for device in _DISPATCH_KEYS if _has_kernel_for(name, device)]
+    return f"compiled ops ({', '.join(devices)}): {name.split('::')[0]}"
+
+
+def muon_momentum_(momentum_buffers: list[Tensor], grads: list[Tensor], updates: list[Tensor],
+                   beta: float, nesterov: bool) -> Tensor:
+    """Muon's momentum step for a list of tensors, skipping any whose gradient is not finite.
+
+    For each i with an all-finite grads[i]: momentum_buffers[i] <- lerp(buffer, grad, 1 - beta), and updates[i] <-
+    lerp(grad, buffer, beta) if nesterov else the buffer, written in updates[i]'s own dtype. Otherwise the buffer is
+    left untouched and updates[i] <- 0. Arithmetic is float32 (float64 for float64 tensors).
+
+    Returns the float32 (N,) finite flags (1.0 or 0.0) on the grads' device, computed without a host sync.
+    """
+    device = _common_device(momentum_buffers, grads, updates)
+    finite = torch.empty(len(grads), dtype=torch.float32, device=device)
+    compiled = _compiled_momentum_op(device.type)
+    if compiled is not None:
+        compiled(momentum_buffers, grads, updates, finite, beta, nesterov)
+    else:
+        _check_momentum_args(momentum_buffers, grads, updates, beta)
+        _muon_momentum_fallback(momentum_buffers, grads, updates, finite, beta, nesterov)
+    return finite
+
+
+def _common_device(momentum_buffers: list[Tensor], grads: list[Tensor], updates: list[Tensor]) -> torch.device:
+    """The grads' device, which picks the path; checked here because mixed devices would reach the dispatcher."""
+    device = grads[0].device if grads else torch.device("cpu")
+    for name, tensors in (("momentum_buffers", momentum_buffers), ("grads", grads), ("updates", updates)):
+        for i, tensor in enumerate(tensors):
+            if tensor.device != device:
+                raise ValueError(f"muon_momentum_: {name}[{i}] is on {tensor.device} but grads[0] is on {device}")
+    return device
+
+
+def _check_momentum_args(momentum_buffers: list[Tensor], grads: list[Tensor], updates: list[Tensor],
+                         beta: float) -> None:
+    """The compiled op's checks (torch_binding.cpp), with its messages, so both paths reject the same calls."""
+    if len(grads) != len(momentum_buffers):
+        raise ValueError(f"muon_momentum_: grads has {len(grads)} tensors but momentum_buffers has "
+                         f"{len(momentum_buffers)}")
+    if len(updates) != len(momentum_buffers):
+        raise ValueError(f"muon_momentum_: updates has {len(updates)} tensors but momentum_buffers has "
+                         f"{len(momentum_buffers)}")
+    if not 0.0 <= beta <= 1.0:  # also rejects NaN
+        raise ValueError(f"muon_momentum_: beta must be in [0, 1], got {beta}")
+    for i, (buffer, grad, update) in enumerate(zip(momentum_buffers, grads, updates)):
+        for name, tensor in (("momentum_buffers", buffer), ("grads", grad), ("updates", update)):
+            _check_tensor(tensor, f"{name}[{i}]")
+        if grad.shape != buffer.shape:
+            raise ValueError(f"muon_momentum_: grads[{i}] has shape {list(grad.shape)} but momentum_buffers[{i}] "
+                             f"has shape {list(buffer.shape)}")
+        if grad.dtype != buffer.dtype:
+            raise ValueError(f"muon_momentum_: grads[{i}] has dtype {grad.dtype} but momentum_buffers[{i}] has "
+                             f"dtype {buffer.dtype}")
+        if update.shape != buffer.shape:
+            raise ValueError(f"muon_momentum_: updates[{i}] has shape {list(update.shape)} but momentum_buffers[{i}] "
+                             f"has shape {list(buffer.shape)}")
+
+
+def _check_tensor(tensor: Tensor, label: str) -> None:
+    if tensor.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"muon_momentum_: {label} has dtype {tensor.dtype} "
+                         "(expected float32, float64, bfloat16 or float16)")
+    if not tensor.is_contiguous():
+        raise ValueError(f"muon_momentum_: {label} must be contiguous")
+
+
+def _muon_momentum_fallback(momentum_buffers: list[Tensor], grads: list[Tensor], updates: list[Tensor],
+                            finite: Tensor, beta: float, nesterov: bool) -> None:
+    for i, (buffer, grad, update) in enumerate(zip(momentum_buffers, grads, updates)):
+        opmath = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+        grad_math = grad.to(opmath)
+        buffer_math = buffer.to(opmath)  # exact: every supported dtype widens losslessly
+        grad_finite = torch.isfinite(grad_math).all()  # a device tensor: choosing with torch.where needs no sync
+        finite[i] = grad_finite
+        buffer.copy_(torch.where(grad_finite, torch.lerp(buffer_math, grad_math, 1.0 - beta), buffer_math))
+        # Nesterov blends with the buffer as stored (rounded to its dtype), as the compiled kernels do.
+        new_buffer = buffer.to(opmath)
+        step = torch.lerp(grad_math, new_buffer, beta) if nesterov else new_buffer
+        update.copy_(torch.where(grad_finite, step, 0.0))
