@@ -1,0 +1,266 @@
+"""The symmetric Triton kernels against float64 `torch` products, under the Triton interpreter on the CPU."""
+
+import os
+
+# Must precede every @triton.jit decoration, ours included; later it is too late ("0 active drivers").
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import ModuleType  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TORCH_EXT = Path(__file__).resolve().parents[1] / "torch-ext"
+PACKAGE_DIR = TORCH_EXT / "optimizer" / "triton_kernels"
+
+
+def load_package_by_path(module_name: str) -> ModuleType:
+    """The subpackage alone, bypassing `optimizer/__init__.py` (whose other imports may be mid-edit)."""
+    spec = importlib.util.spec_from_file_location(
+        module_name, PACKAGE_DIR / "__init__.py", submodule_search_locations=[str(PACKAGE_DIR)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def import_triton_kernels() -> ModuleType:
+    sys.path.insert(0, str(TORCH_EXT))
+    try:
+        return importlib.import_module("optimizer.triton_kernels")
+    except ImportError:
+        return load_package_by_path("optimizer_triton_kernels_from_source")
+    finally:
+        sys.path.remove(str(TORCH_EXT))
+
+
+triton_kernels = import_triton_kernels()
+xxt, ba_plus_caa = triton_kernels.xxt, triton_kernels.ba_plus_caa
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETER else "cuda"
+needs_kernels = pytest.mark.skipif(
+    not triton_kernels.TRITON_AVAILABLE or not (INTERPRETER or torch.cuda.is_available()),
+    reason="needs Triton and either its interpreter or a GPU",
+)
+
+if triton_kernels.TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    launch_rules = importlib.import_module(f"{triton_kernels.__name__}._launch")
+    lower_tile_coords = importlib.import_module(f"{triton_kernels.__name__}._tiling").lower_tile_coords
+    # Sizes are built from the tile the kernels use here so every case straddles tile edges and has off-diagonal
+    # tiles to mirror, whatever the tile is.
+    BLOCK = launch_rules.INTERPRETER_BLOCK_M if INTERPRETER else 128
+
+    @triton.jit
+    def _tile_coords_probe(row_out, col_out, first_pid, count, BLOCK_SIZE: tl.constexpr):
+        index = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        row, col = lower_tile_coords(first_pid + index)
+        inside = index < count
+        tl.store(row_out + index, row, mask=inside)
+        tl.store(col_out + index, col, mask=inside)
+else:
+    BLOCK = 128
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FP32_EPS = torch.finfo(torch.float32).eps
+# Keller Jordan's quintic Newton-Schulz coefficients (a, b, c), as published with Muon.
+QUINTIC = (3.4445, -4.7750, 2.0315)
+
+
+def output_ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One ulp of dtype at each magnitude, bounded above: eps * |v| for normal numbers, eps * smallest_normal for
+    subnormals. Casting the fp32 result costs half an ulp when rounding and up to a full ulp when the
+    interpreter truncates fp32 -> bf16, so one ulp covers both."""
+    finfo = torch.finfo(dtype)
+    return finfo.eps * (magnitude + finfo.smallest_normal)
+
+
+def assert_within(result: torch.Tensor, reference: torch.Tensor, fp32_error: torch.Tensor) -> None:
+    """`fp32_error` bounds what the float32 arithmetic may lose before the final cast to result's dtype."""
+    bound = fp32_error + output_ulp(reference.abs() + fp32_error, result.dtype)
+    excess = (result.double() - reference).abs() - bound
+    assert excess.max() <= 0, f"exceeds the error bound by {excess.max().item():.3e}"
+
+
+def assert_exactly_symmetric(result: torch.Tensor) -> None:
+    assert torch.equal(result, result.mT)
+
+
+def random_matrix(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
+
+
+def random_symmetric(batch: tuple[int, ...], m: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Symmetric in fp32 before the cast, so symmetric after it; scaled like a normalized Gram matrix."""
+    generator = torch.Generator().manual_seed(seed)
+    half = torch.randn((*batch, m, m), generator=generator) / m**0.5
+    return (half + half.mT).to(dtype).to(DEVICE)
+
+
+def xxt_fp32_error(X: torch.Tensor) -> torch.Tensor:
+    # Products of bf16/fp16 values are exact in fp32, fp32 products round once; a float32 sum of n such terms in
+    # any order is off by at most about n * u * sum|terms| (u = eps / 2), so n * eps is a safe worst case.
+    magnitudes = X.double().abs()
+    return X.shape[-1] * FP32_EPS * (magnitudes @ magnitudes.mT)
+
+
+# --- xxt ---------------------------------------------------------------------------------------------------
+
+XXT_SHAPES = {
+    "tall": (2 * BLOCK + 13, 45),
+    "wide": (2 * BLOCK + 13, 2 * BLOCK + 31),
+    "one_tile": (37, 101),
+    "batched": (3, BLOCK + 17, 150),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", XXT_SHAPES.values(), ids=XXT_SHAPES.keys())
+def test_xxt_matches_float64_product(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    X = random_matrix(shape, dtype, seed=len(shape) + shape[-1])
+    result = xxt(X, exact_fp32=True)
+    assert result.shape == (*shape[:-1], shape[-2]) and result.dtype == dtype
+    assert_within(result, X.double() @ X.double().mT, xxt_fp32_error(X))
+    assert_exactly_symmetric(result)
+
+
+@needs_kernels
+def test_xxt_reads_strided_input_and_writes_strided_out() -> None:
+    # X^T of a contiguous tensor (column-major X) and an out that is itself a transposed view.
+    X = random_matrix((90, 2 * BLOCK + 5), torch.float32, seed=1).mT
+    buffer = torch.full((X.shape[0], X.shape[0]), float("nan"), device=DEVICE)
+    returned = xxt(X, out=buffer.mT, exact_fp32=True)
+    assert returned.data_ptr() == buffer.data_ptr()
+    assert_within(buffer, X.double() @ X.double().mT, xxt_fp32_error(X))
+
+
+@needs_kernels
+def test_xxt_of_batch_slice_uses_batch_stride() -> None:
+    X = random_matrix((5, BLOCK + 3, 70), torch.bfloat16, seed=2)[1::2]
+    result = xxt(X)
+    assert_within(result, X.double() @ X.double().mT, xxt_fp32_error(X))
+
+
+@needs_kernels
+def test_xxt_of_empty_rows_is_zero() -> None:
+    assert torch.equal(xxt(torch.ones(3, 0, device=DEVICE)), torch.zeros(3, 3, device=DEVICE))
+    assert xxt(torch.ones(0, 5, device=DEVICE)).shape == (0, 0)
+
+
+# --- ba_plus_caa -------------------------------------------------------------------------------------------
+
+POLY_SHAPES = {"three_tiles": ((), 2 * BLOCK + 13), "one_tile": ((), 37), "batched": ((2,), BLOCK + 29)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch_and_size", POLY_SHAPES.values(), ids=POLY_SHAPES.keys())
+def test_ba_plus_caa_matches_float64(batch_and_size: tuple[tuple[int, ...], int], dtype: torch.dtype) -> None:
+    batch, m = batch_and_size
+    _, b, c = QUINTIC
+    A = random_symmetric(batch, m, dtype, seed=m)
+    exact = A.double()
+    result = ba_plus_caa(A, b, c, exact_fp32=True)
+    # A @ A accumulates like xxt (m terms); then c * (A @ A), b * A and their sum round once each in fp32.
+    magnitudes = exact.abs()
+    fp32_error = FP32_EPS * ((m + 2) * abs(c) * (magnitudes @ magnitudes) + 2 * abs(b) * magnitudes)
+    assert result.dtype == dtype
+    assert_within(result, b * exact + c * (exact @ exact), fp32_error)
+    assert_exactly_symmetric(result)
+
+
+@needs_kernels
+def test_one_newton_schulz_step_matches_float64() -> None:
+    """xxt and ba_plus_caa composed into X <- a X + (b A + c A^2) X, the step they exist for."""
+    a, b, c = QUINTIC
+    X = random_matrix((BLOCK + 21, 2 * BLOCK + 9), torch.float32, seed=3)
+    X = X / torch.linalg.matrix_norm(X)
+    step = a * X + ba_plus_caa(xxt(X, exact_fp32=True), b, c, exact_fp32=True) @ X
+    exact = X.double()
+    gram = exact @ exact.mT
+    expected = a * exact + (b * gram + c * gram @ gram) @ exact
+    # Entries are O(1) after normalization with coefficients below 5; the fp32 chain (three products of length
+    # <= n, a few scalings) loses ~n * eps relative to O(1) inputs. 100x that is still far below the step's size.
+    assert (step.double() - expected).abs().max() < 100 * X.shape[-1] * FP32_EPS
+
+
+# --- shared rules ------------------------------------------------------------------------------------------
+
+
+def row_major_lower_triangle(first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of every lower tile in rows [first_row, end_row), straight from the definition."""
+    rows = torch.cat([torch.full((r + 1,), r, dtype=torch.int32) for r in range(first_row, end_row)])
+    cols = torch.cat([torch.arange(r + 1, dtype=torch.int32) for r in range(first_row, end_row)])
+    return rows, cols
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("first_row", "end_row"),
+    # Rows from 4607 on are where float32 sqrt(8 pid + 1) alone first lands one row too far (checked in numpy),
+    # so the second window tests the correction steps; the first tests small rows and the diagonal start.
+    [(0, 300), (4590, 4650)],
+)
+def test_lower_tile_coords_enumerates_the_lower_triangle_row_by_row(first_row: int, end_row: int) -> None:
+    expected_rows, expected_cols = row_major_lower_triangle(first_row, end_row)
+    count = expected_rows.numel()
+    rows = torch.empty(count, dtype=torch.int32, device=DEVICE)
+    cols = torch.empty_like(rows)
+    probe_block = 1 << 14
+    first_pid = first_row * (first_row + 1) // 2
+    _tile_coords_probe[(triton.cdiv(count, probe_block),)](rows, cols, first_pid, count, BLOCK_SIZE=probe_block)
+    assert torch.equal(rows.cpu(), expected_rows) and torch.equal(cols.cpu(), expected_cols)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: xxt(torch.ones(4, 4, dtype=torch.int32, device=DEVICE)), "X has dtype torch.int32"),
+        (lambda: xxt(torch.ones(4, device=DEVICE)), r"X must be \(m, n\)"),
+        (lambda: xxt(torch.ones(2, 2, 4, 4, device=DEVICE)), r"X must be \(m, n\)"),
+        (lambda: ba_plus_caa(torch.ones(3, 4, device=DEVICE), 1.0, 1.0), "A must be square"),
+        (lambda: ba_plus_caa(torch.eye(3, device=DEVICE), float("nan"), 1.0), "b must be a finite number"),
+        (lambda: xxt(torch.ones(3, 5, device=DEVICE), out=torch.empty(5, 5, device=DEVICE)), r"expected \(3, 3\)"),
+        (
+            lambda: xxt(torch.ones(3, 5, device=DEVICE), out=torch.empty(3, 3, dtype=torch.float16, device=DEVICE)),
+            "torch.float32",
+        ),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@needs_kernels
+def test_out_sharing_storage_with_input_is_refused() -> None:
+    A = torch.eye(4, device=DEVICE)
+    with pytest.raises(ValueError, match="out shares storage with A"):
+        ba_plus_caa(A, 1.0, 1.0, out=A)
+
+
+def test_launchers_explain_a_missing_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    # None in sys.modules makes `import triton` raise ImportError, as on a machine without it.
+    monkeypatch.setitem(sys.modules, "triton", None)
+    name = "triton_kernels_without_triton"
+    try:
+        package = load_package_by_path(name)
+        assert package.TRITON_AVAILABLE is False
+        with pytest.raises(RuntimeError, match="Triton is not installed"):
+            package.xxt(torch.ones(2, 2))
+        with pytest.raises(RuntimeError, match="Triton is not installed"):
+            package.ba_plus_caa(torch.eye(2), 1.0, 1.0)
+    finally:
+        for module_name in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+            del sys.modules[module_name]

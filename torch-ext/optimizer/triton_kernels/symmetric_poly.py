@@ -1,0 +1,60 @@
+"""b*A + c*(A @ A) for symmetric A, computing only the lower tiles and mirroring them."""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._launch import as_batched, check_operand, dot_flags, gram_output, lower_tile_grid, symmetric_tile_configs
+from ._tiling import gram_tile, load_tile_fp32, lower_tile_coords, store_mirrored
+
+
+@triton.autotune(configs=symmetric_tile_configs(), key=["M"])
+@triton.jit
+def _ba_plus_caa_lower_kernel(
+    a_ptr,
+    out_ptr,
+    b,
+    c,
+    M,
+    stride_ab,
+    stride_am,
+    stride_an,
+    stride_ob,
+    stride_om,
+    stride_on,
+    UPCAST_DOT: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row_tile, col_tile = lower_tile_coords(tl.program_id(0))
+    batch = tl.program_id(1).to(tl.int64)
+    matrix = a_ptr + batch * stride_ab
+    # A @ A == A @ A^T for symmetric A, which reads both operands along rows.
+    square = gram_tile(matrix, row_tile, col_tile, M, M, stride_am, stride_an, BLOCK_M, BLOCK_K, UPCAST_DOT, IEEE_FP32)
+    linear = load_tile_fp32(matrix, row_tile, col_tile, M, stride_am, stride_an, BLOCK_M)
+    result = b * linear + c * square
+    store_mirrored(out_ptr + batch * stride_ob, result, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M)
+
+
+def ba_plus_caa(A: Tensor, b: float, c: float, out: Tensor | None = None, *, exact_fp32: bool = False) -> Tensor:
+    """b*A + c*(A @ A) for symmetric A of shape (m, m) or (batch, m, m), in A's dtype (float32, bfloat16 or float16),
+    accumulated in float32. Only A's lower triangle reaches the b*A term and A is read as if symmetric, so the
+    result is exactly symmetric. On GPUs float32 inputs multiply in TF32 unless `exact_fp32`."""
+    check_operand("A", A, square=True)
+    for name, value in (("b", b), ("c", c)):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number; got {value}")
+    result = gram_output("A", A, out)
+    if result.numel() == 0:
+        return result
+    a3, out3 = as_batched(A), as_batched(result)
+    batch, m, _ = a3.shape
+    _ba_plus_caa_lower_kernel[lower_tile_grid(m, batch)](
+        a3, out3, float(b), float(c), m, *a3.stride(), *out3.stride(), **dot_flags(A.dtype, exact_fp32)
+    )
+    return result
