@@ -16,6 +16,7 @@ from torch.optim.adamw import adamw
 
 from . import native
 from .coefficients import Coefficients
+from .distributed.finite import found_inf_flags
 from .newton_schulz import newton_schulz
 from .routing import MatrixView
 
@@ -117,9 +118,7 @@ def adamw_update(items: Sequence[AdamWTensors], *, lr: float, betas: tuple[float
     """torch's fused AdamW, one parameter per call so that each has its own skip flag (`found_inf`)."""
     if not items:
         return
-    norms = torch._foreach_norm([item.grad for item in items], float("inf"))
-    for item, norm in zip(items, norms):
-        found_inf = norm.isfinite().logical_not().to(torch.float32)
+    for item, found_inf in zip(items, found_inf_flags([item.grad for item in items])):
         item.nonfinite_skips.add_(found_inf.to(item.nonfinite_skips.dtype))
         adamw([item.param], [item.grad], [item.exp_avg], [item.exp_avg_sq], [], [item.step], fused=True,
               found_inf=found_inf, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .coefficients import Coefficients, resolve_coefficients
+from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, muon_update
 from .newton_schulz import default_ns_dtype
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
@@ -66,6 +67,12 @@ def _validate_group(group: dict[str, Any]) -> None:
     dtype = group["ns_dtype"]
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"Invalid ns_dtype: {dtype!r} (expected None or a floating torch.dtype)")
+    comm_dtype = group["comm_dtype"]
+    if not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+        raise ValueError(f"Invalid comm_dtype: {comm_dtype!r} (expected a floating torch.dtype)")
+    chunk_size = group["chunk_size"]
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected None or an integer >= 1)")
 
 
 class Muon(Optimizer):
@@ -90,6 +97,13 @@ class Muon(Optimizer):
         conv_mode: "flatten" (out, in * k) or "batched" (one (out, in) matrix per kernel position).
         adamw_lr: AdamW's lr, scaled by the group's LR schedule; None uses lr. adamw_betas, adamw_eps: AdamW's.
         adamw_weight_decay: AdamW's decoupled weight decay; None uses weight_decay.
+        comm_dtype: dtype of the momentum and of the orthogonalized update while they travel between ranks
+            (DTensor parameters, or any parameter with a process_group); torch.float32 sends them unrounded.
+        chunk_size: matrices per chunk of the distributed pipeline (one chunk's transfers overlap the previous
+            chunk's Newton-Schulz); None is twice the number of ranks.
+        process_group: for plain (not DTensor) parameters replicated over this group, as under DDP, each rank
+            orthogonalizes about 1/world of the matrices and the results are shared; None keeps plain tensors
+            single-device. Not a per-group option. DTensor parameters always use their own device mesh.
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
@@ -98,12 +112,16 @@ class Muon(Optimizer):
                  adjust_lr_fn: str | None = "match_rms_adamw", ns_dtype: torch.dtype | None = None,
                  conv_mode: str = "flatten", adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float | None = None) -> None:
+                 adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
+                 chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
                         conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-                        adamw_weight_decay=adamw_weight_decay, use_muon=None, param_layout="auto")
+                        adamw_weight_decay=adamw_weight_decay, comm_dtype=comm_dtype, chunk_size=chunk_size,
+                        use_muon=None, param_layout="auto")
         _validate_group(defaults)
+        # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
+        self.process_group = process_group
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -170,10 +188,17 @@ class Muon(Optimizer):
         if not items:
             return
         ns_dtype = group["ns_dtype"] or default_ns_dtype(items[0].param.device)
-        muon_update(items, lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-                    nesterov=group["nesterov"],
-                    coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
-                    eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype)
+        settings = dict(lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+                        nesterov=group["nesterov"],
+                        coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
+                        eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype)
+        spread = [item for item in items if is_spread(item.param, self.process_group)]
+        local = [item for item in items if not is_spread(item.param, self.process_group)]
+        if local:
+            muon_update(local, **settings)
+        if spread:
+            distributed_muon_update(spread, process_group=self.process_group, comm_dtype=group["comm_dtype"],
+                                    chunk_size=group["chunk_size"], **settings)
 
     def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
         weight_decay = group["adamw_weight_decay"]

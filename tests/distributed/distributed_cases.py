@@ -1,0 +1,174 @@
+"""The cases the spawned gloo workers run: distributed Muon against single-device Muon on the same global
+gradients. Each case runs on every rank; `cases_for(world)` lists those that fit a world size."""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for kernel_under_test
+from kernel_under_test import optimizer  # noqa: E402
+
+Muon = optimizer.Muon
+STEPS = 3
+LR = 0.05
+# fp32 everywhere, so the only differences from the single-device run are summation orders (batched products of
+# other batch compositions, gradients reduced in another order): a few fp32 ulps per product, amplified by five
+# Newton-Schulz steps whose coefficients reach ~8; we measured at most 3.3e-7. An update entry is about
+# LR * 0.2 * sqrt(max dim) / sqrt(min dim) ~ 0.01-0.1 here, so any real mistake (a wrong slice, a missed shard, a
+# wrong lr scale) moves entries by 1e-3 or more: 2e-6 separates the two.
+FP32_ATOL = 2e-6
+OPTIONS = dict(lr=LR, weight_decay=0.1, momentum=0.9, ns_dtype=torch.float32)
+# Shapes that exercise uneven shards (10 rows over 4 ranks: 3,3,3,1), empty shards (3 rows or columns over 4
+# ranks), same-shape matrices (batched on one owner), an expert bank (3D), a conv weight (4D) and a tall matrix.
+SHAPES = [(10, 6), (3, 8), (8, 3), (6, 6), (6, 6), (6, 6), (2, 5, 6), (6, 3, 2, 2), (12, 4)]
+
+
+def _randn(shapes: Sequence[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def _global(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _assert_matches(ours: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], atol: float) -> None:
+    for index, (mine, truth) in enumerate(zip(ours, reference)):
+        error = (_global(mine) - truth).abs().max().item()
+        assert error <= atol, f"tensor {index} of shape {tuple(truth.shape)}: max error {error:.3g} > {atol:.3g}"
+
+
+def _run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], torch.Tensor],
+              shapes: Sequence[tuple[int, ...]], nan_at: tuple[int, int, tuple[int, ...]] | None = None,
+              **options) -> tuple[Muon, Muon, list[torch.Tensor]]:
+    """STEPS steps of Muon on `params` (distributed) and on plain copies of their global values (the truth),
+    with the same global gradients; `nan_at` = (param index, step, element) puts a NaN in one gradient."""
+    reference = [_global(p).detach().clone() for p in params]
+    ours = Muon(params, **OPTIONS, **options)
+    truth = Muon(reference, **OPTIONS)
+    for step in range(STEPS):
+        grads = _randn(shapes, seed=100 + step)
+        if nan_at is not None and nan_at[1] == step:
+            grads[nan_at[0]][nan_at[2]] = math.nan
+        for p, q, g in zip(params, reference, grads):
+            p.grad, q.grad = make_grad(g.clone()), g.clone()
+        ours.step()
+        truth.step()
+    return ours, truth, reference
+
+
+def dtensor_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], atol: float = FP32_ATOL,
+                 nan_at: tuple[int, int, tuple[int, ...]] | None = None,
+                 comm_dtype: torch.dtype | None = torch.float32, **options) -> None:
+    """DTensors made with distribute_tensor; comm_dtype None leaves Muon's default (bfloat16)."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    params = [distribute_tensor(t, mesh, placements) for t in _randn(SHAPES, seed=0)]
+    make_grad = partial(distribute_tensor, device_mesh=mesh, placements=placements)
+    if comm_dtype is not None:
+        options["comm_dtype"] = comm_dtype
+    ours, truth, reference = _run_pair(params, make_grad, SHAPES, nan_at=nan_at, **options)
+    _assert_matches(params, reference, atol)
+    buffers = [ours.state[p]["momentum_buffer"] for p in params]
+    for p, buffer in zip(params, buffers):  # momentum stays sharded like its parameter
+        assert isinstance(buffer, DTensor) and buffer.placements == p.placements
+        assert buffer.to_local().shape == p.to_local().shape
+    _assert_matches(buffers, [truth.state[q]["momentum_buffer"] for q in reference], atol)
+    skips = [int(ours.state[p]["nonfinite_skips"]) for p in params]
+    assert skips == [int(truth.state[q]["nonfinite_skips"]) for q in reference], skips
+
+
+def nonfinite_shard_case(world: int) -> None:
+    """A NaN in the last row of (10, 6), which only the last rank holds: every rank skips the whole matrix."""
+    dtensor_case((world,), [Shard(0)], nan_at=(0, 1, (9, 2)))
+
+
+def fsdp2_case(world: int) -> None:
+    """fully_shard on a small MLP (uneven shards; empty ones on 4 ranks), biases through AdamW, the batch split
+    over ranks; the reference trains an unsharded copy on the whole batch (FSDP2 averages gradients)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 3), nn.Tanh(), nn.Linear(3, 8))
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ours = Muon(model.parameters(), **OPTIONS, comm_dtype=torch.float32)
+    truth = Muon(reference.parameters(), **OPTIONS)
+    rank, per_rank = dist.get_rank(), 4
+    for step in range(STEPS):
+        batch = torch.randn(world * per_rank, 16, generator=torch.Generator().manual_seed(200 + step))
+        model(batch[rank * per_rank:(rank + 1) * per_rank]).square().mean().backward()
+        reference(batch).square().mean().backward()
+        ours.step()
+        truth.step()
+        ours.zero_grad()
+        truth.zero_grad()
+    _assert_matches(list(model.parameters()), list(reference.parameters()), FP32_ATOL)
+
+
+def ddp_case(world: int, comm_dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL) -> None:
+    """DistributedDataParallel (plain replicated tensors) with process_group: each rank orthogonalizes part of
+    the matrices; the replicas must stay bit-identical and match single-device Muon."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 6))
+    reference = copy.deepcopy(model)
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    ours = Muon(model.parameters(), **OPTIONS, comm_dtype=comm_dtype, process_group=dist.group.WORLD)
+    truth = Muon(reference.parameters(), **OPTIONS)
+    rank, per_rank = dist.get_rank(), 8  # 8 * world >= 12 samples: full-rank gradients (see BF16_ATOL)
+    for step in range(STEPS):
+        batch = torch.randn(world * per_rank, 12, generator=torch.Generator().manual_seed(300 + step))
+        wrapped(batch[rank * per_rank:(rank + 1) * per_rank]).square().mean().backward()
+        reference(batch).square().mean().backward()
+        ours.step()
+        truth.step()
+        ours.zero_grad()
+        truth.zero_grad()
+    _assert_matches(list(model.parameters()), list(reference.parameters()), atol)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    copies = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(copies, flat)
+    assert all(torch.equal(copy_, copies[0]) for copy_ in copies), "replicas diverged"
+
+
+# bf16 communication rounds the momentum and the update to 8 significant bits (relative error 2^-9); Newton-Schulz
+# passes an input perturbation on at about its size for well-conditioned directions, so each step's update is off
+# by ~0.5% of its ~0.01-0.1 entries: we measured 3.2e-4 after three steps; 3e-3 still fails real mistakes. (A
+# rank-deficient gradient would not do: bf16 noise in its null space is inflated by Newton-Schulz to O(1) entries,
+# so the cases' gradients have full rank.)
+BF16_ATOL = 3e-3
+# A trained model's hidden-layer gradients are badly conditioned (we measured 4.6e-3 on a (10, 10) weight after
+# three steps), so with bf16 there the check is only that no step is lost or mis-scaled: one step's update entry
+# is ~0.03 and three steps move entries by ~0.1, so a third of an entry, 1e-2, still catches a missing update.
+TRAINED_BF16_ATOL = 1e-2
+
+
+def cases_for(world: int) -> dict[str, Callable[[], None]]:
+    cases: dict[str, Callable[[], None]] = {
+        "fsdp2_fully_shard": partial(fsdp2_case, world),
+        "shard0_1d": partial(dtensor_case, (world,), [Shard(0)]),
+        "shard1_1d": partial(dtensor_case, (world,), [Shard(1)]),
+        "replicate_1d": partial(dtensor_case, (world,), [Replicate()]),
+        "shard0_one_matrix_per_chunk": partial(dtensor_case, (world,), [Shard(0)], chunk_size=1),
+        "nonfinite_on_one_shard_skips_everywhere": partial(nonfinite_shard_case, world),
+        "ddp_process_group": partial(ddp_case, world),
+        "ddp_process_group_bf16_comm": partial(ddp_case, world, torch.bfloat16, TRAINED_BF16_ATOL),
+        "shard0_bf16_comm_default": partial(dtensor_case, (world,), [Shard(0)], atol=BF16_ATOL, comm_dtype=None),
+    }
+    if world == 4:
+        cases["mesh2x2_shard0_shard1"] = partial(dtensor_case, (2, 2), [Shard(0), Shard(1)])
+        cases["mesh2x2_replicate_shard0"] = partial(dtensor_case, (2, 2), [Replicate(), Shard(0)])
+    return cases

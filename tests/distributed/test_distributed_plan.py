@@ -1,0 +1,122 @@
+"""The distributed step's bookkeeping, in plain Python (no processes): owner balance, shard boxes against
+torch.chunk (DTensor's Shard semantics), and all-to-all plans that every pair of ranks agrees on."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernel_under_test import optimizer, submodule
+
+assignment = submodule(optimizer, "distributed.assignment")
+layout_module = submodule(optimizer, "distributed.layout")
+plan = submodule(optimizer, "distributed.plan")
+routing = submodule(optimizer, "routing")
+
+
+def gpt_matrix_shapes(layers: int, width: int) -> list[tuple[int, int]]:
+    """A GPT block's Muon matrices (nn.Linear weights are (out, in)): fused qkv, attention output, MLP in/out."""
+    return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
+
+
+@pytest.mark.parametrize("layers,width", [(12, 768), (24, 1024), (32, 4096)])
+def test_owners_balance_newton_schulz_work_over_8_ranks(layers: int, width: int) -> None:
+    costs = [assignment.newton_schulz_cost(routing.matrix_view(torch.Size(shape)))
+             for shape in gpt_matrix_shapes(layers, width)]
+    owners = assignment.assign_owners(costs, 8)
+    loads = [sum(cost for cost, owner in zip(costs, owners) if owner == rank) for rank in range(8)]
+    assert max(loads) / (sum(loads) / 8) <= 1.05, loads
+
+
+def test_cost_follows_the_flop_count_of_one_newton_schulz_step() -> None:
+    # X X^T on a (m, n) matrix with m <= n is m*m*n multiply-adds, A @ A is m^3 and (bA + cA^2) X is m*m*n again:
+    # counted by hand for a (4, 6) matrix, 2*16*6 + 64 = 256, the same for its transpose and per bank member.
+    view = routing.matrix_view(torch.Size((4, 6)))
+    assert assignment.newton_schulz_cost(view) == 256
+    assert assignment.newton_schulz_cost(routing.matrix_view(torch.Size((6, 4)))) == 256
+    assert assignment.newton_schulz_cost(routing.matrix_view(torch.Size((3, 4, 6)))) == 3 * 256
+
+
+def _chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """torch.chunk's split of range(length) into `parts` (missing trailing chunks are empty), as DTensor shards."""
+    chunks = torch.arange(length).chunk(parts)
+    bounds = [(int(c[0]), int(c[-1]) + 1) for c in chunks]
+    return bounds + [(length, length)] * (parts - len(bounds))
+
+
+@pytest.mark.parametrize("length,parts", [(10, 4), (2, 4), (8, 2), (7, 3), (1, 4)])
+def test_shard_boxes_follow_torch_chunk(length: int, parts: int) -> None:
+    grid = {(rank,): rank for rank in range(parts)}
+    layout = layout_module.sharded_layout((length, 5), (parts,), [0], grid)
+    assert [(box[0].start, box[0].stop) for box in layout.boxes] == _chunk_bounds(length, parts)
+    assert all((box[1].start, box[1].stop) == (0, 5) for box in layout.boxes)
+
+
+def test_nested_shards_on_one_dim_and_replicas_on_a_2d_mesh() -> None:
+    grid = {(i, j): 2 * i + j for i in range(2) for j in range(2)}
+    nested = layout_module.sharded_layout((10, 3), (2, 2), [0, 0], grid)
+    # Shard(0) twice: first 10 -> 5, 5, then each 5 -> 3, 2 (torch.chunk of each half).
+    assert [(b[0].start, b[0].stop) for b in nested.boxes] == [(0, 3), (3, 5), (5, 8), (8, 10)]
+    replicated_rows = layout_module.sharded_layout((10, 3), (2, 2), [None, 0], grid)
+    assert [(b[0].start, b[0].stop) for b in replicated_rows.boxes] == [(0, 5), (5, 10), (0, 5), (5, 10)]
+    assert replicated_rows.sources(owner=3) == [0, 3]  # the owner sends nothing it holds; rank 0 has rows 0-5
+
+
+def _layouts_for_plan_checks() -> list:
+    grid2 = {(i, j): 2 * i + j for i in range(2) for j in range(2)}
+    grid1 = {(r,): r for r in range(4)}
+    return [
+        layout_module.sharded_layout((10, 6), (4,), [0], grid1),
+        layout_module.sharded_layout((3, 8), (4,), [0], grid1),  # an empty shard
+        layout_module.sharded_layout((6, 7), (2, 2), [0, 1], grid2),
+        layout_module.sharded_layout((9, 4), (2, 2), [None, 0], grid2),
+        layout_module.replicated_layout((5, 5), 4),
+    ]
+
+
+
+@pytest.mark.parametrize("owners", list(itertools.product(range(4), repeat=2))[::3])
+def test_all_to_all_plans_agree_between_ranks_and_cover_every_element_once(owners: tuple[int, int]) -> None:
+    layouts = _layouts_for_plan_checks()
+    owner_of = [owners[0], owners[1], owners[1], owners[0], (owners[0] + 1) % 4]
+    gathers = [plan.gather_exchange(layouts, owner_of, rank) for rank in range(4)]
+    scatters = [plan.scatter_exchange(layouts, owner_of, rank) for rank in range(4)]
+    for exchanges in (gathers, scatters):
+        assert len({exchange.moves_data for exchange in exchanges}) == 1
+        for src, dst in itertools.permutations(range(4), 2):  # what src sends dst is what dst expects from src
+            sent = [(p.item, p.box) for p in exchanges[src].sends if p.peer == dst]
+            expected = [(p.item, p.box) for p in exchanges[dst].receives if p.peer == src]
+            assert sent == expected
+            assert exchanges[src].send_counts[dst] == exchanges[dst].recv_counts[src]
+    for item, (layout, owner) in enumerate(zip(layouts, owner_of)):
+        hits = torch.zeros(layout.shape, dtype=torch.int64)  # the owner's own box plus every box it receives
+        hits[layout.boxes[owner]] += 1
+        for piece in gathers[owner].receives:
+            if piece.item == item:
+                hits[piece.box] += 1
+        assert bool((hits == 1).all()), (item, hits)
+        for rank in range(4):  # after the scatter every other rank has received exactly its own box
+            received = [p.box for p in scatters[rank].receives if p.item == item]
+            holds = layout_module.box_numel(layout.boxes[rank]) > 0
+            assert received == ([layout.boxes[rank]] if rank != owner and holds else [])
+
+
+def test_staggered_chunks_launch_each_gather_before_the_previous_chunk_computes() -> None:
+    pipeline = submodule(optimizer, "distributed.pipeline")
+    events: list[str] = []
+
+    def chunk(k: int):  # the shape of a chunk pipeline: launch, yield, wait + compute + launch, yield, wait + apply
+        events.append(f"launch gather {k}")
+        yield
+        events.append(f"newton-schulz {k}")
+        yield
+        events.append(f"apply {k}")
+
+    pipeline.run_staggered(chunk(k) for k in range(3))
+    assert events == ["launch gather 0",
+                      "launch gather 1", "newton-schulz 0",
+                      "launch gather 2", "newton-schulz 1", "apply 0",
+                      "newton-schulz 2", "apply 1",
+                      "apply 2"]

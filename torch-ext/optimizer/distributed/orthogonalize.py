@@ -1,0 +1,48 @@
+"""The math an owner and every rank do on plain tensors: batched Newton-Schulz and the update of a local shard."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..coefficients import Coefficients
+from ..newton_schulz import newton_schulz
+from ..routing import MatrixView
+
+
+def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: Sequence[Tensor], *,
+                  coefficients: Sequence[Coefficients], eps: float, ns_dtype: torch.dtype,
+                  out_dtype: torch.dtype) -> list[Tensor]:
+    """Newton-Schulz of each whole parameter (in its own layout), one batched call per matrix shape.
+
+    A parameter whose flag is 0 gets an exact zero, as on a single device. Results are in `out_dtype`, laid out
+    like the parameter.
+    """
+    results: list[Tensor | None] = [None] * len(fulls)
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for index, view in enumerate(views):
+        buckets.setdefault((view.rows, view.cols), []).append(index)
+    for indices in buckets.values():
+        stack = torch.cat([views[i].to_matrices(fulls[i]).to(ns_dtype) for i in indices])
+        orthogonal = newton_schulz(stack, coefficients, eps)
+        batches = [views[i].batch for i in indices]
+        keep = torch.cat([finite[i].expand(views[i].batch) for i in indices]).view(-1, 1, 1) > 0
+        orthogonal = torch.where(keep, orthogonal, 0.0)
+        for i, part in zip(indices, orthogonal.split(batches)):
+            results[i] = views[i].from_matrices(part, fulls[i].shape).to(out_dtype)
+    return results
+
+
+def apply_update(param: Tensor, update: Tensor, finite: Tensor, nonfinite_skips: Tensor, *, lr: float,
+                 weight_decay: float, step_size: float) -> None:
+    """Decoupled weight decay, then `param -= step_size * update`, on one rank's shard; a skipped parameter
+    (flag 0, the same on every rank) is left as it is and counted."""
+    skipped = finite.eq(0)
+    nonfinite_skips.add_(skipped)
+    if param.numel() == 0:
+        return
+    if weight_decay != 0:
+        param.mul_(torch.where(skipped, 1.0, 1.0 - lr * weight_decay))
+    param.add_(update, alpha=-step_size)

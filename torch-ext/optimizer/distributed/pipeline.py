@@ -1,0 +1,150 @@
+"""One chunk of matrices through momentum -> all-to-all to owners -> Newton-Schulz -> all-to-all back -> update.
+
+Each chunk is a generator that yields right after launching each all-to-all; `run_staggered` starts one new chunk
+per round, so a chunk's transfers are in flight while the chunk before it computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import native
+from ..coefficients import Coefficients
+from ..functional import MuonTensors, adjusted_lr
+from . import comm
+from .dtensors import local_tensor
+from .layout import ShardLayout, box_numel, box_shape
+from .orthogonalize import apply_update, orthogonalize
+from .plan import Exchange, gather_exchange, scatter_exchange
+
+ChunkPipeline = Generator[None, None, None]
+
+
+@dataclass(frozen=True)
+class SpreadSettings:
+    """What every chunk of one step needs besides its matrices."""
+
+    group: dist.ProcessGroup
+    rank: int
+    comm_dtype: torch.dtype
+    ns_dtype: torch.dtype
+    coefficients: list[Coefficients]
+    eps: float
+    momentum: float
+    nesterov: bool
+    lr: float
+    weight_decay: float
+    adjust_lr_fn: str | None
+
+
+@dataclass(frozen=True)
+class SpreadItem:
+    """One Muon parameter of the step, with its layout over the group, its owner and its local gradient (set to
+    NaN when another rank's shard of it is not finite, so that every rank skips it)."""
+
+    tensors: MuonTensors
+    layout: ShardLayout
+    owner: int
+    grad: Tensor
+
+
+def run_staggered(pipelines: Iterable[ChunkPipeline]) -> None:
+    """Admits one chunk per round and advances every admitted chunk by one stage, newest first: a new chunk's
+    gather is launched before the previous chunk's Newton-Schulz runs, and that before older chunks wait."""
+    active: list[ChunkPipeline] = []
+    for pipeline in pipelines:
+        active = _advance([pipeline, *active])
+    while active:
+        active = _advance(active)
+
+
+def _advance(active: list[ChunkPipeline]) -> list[ChunkPipeline]:
+    still_running = []
+    for pipeline in active:
+        try:
+            next(pipeline)
+            still_running.append(pipeline)
+        except StopIteration:
+            pass
+    return still_running
+
+
+def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPipeline:
+    layouts = [item.layout for item in chunk]
+    owners = [item.owner for item in chunk]
+    gather = gather_exchange(layouts, owners, settings.rank)
+    scatter = scatter_exchange(layouts, owners, settings.rank)
+
+    send = torch.empty(gather.send_total, dtype=settings.comm_dtype, device=chunk[0].grad.device)
+    fulls, finite = _momentum_stage(chunk, gather, send, settings)
+    work, received = comm.launch_all_to_all(send, gather, settings.group)
+    yield
+    comm.wait(work)
+    for piece in gather.receives:
+        fulls[piece.item][piece.box] = _piece(received, piece.offset, piece.box)
+    owned = [j for j, item in enumerate(chunk) if item.owner == settings.rank]
+    results = orthogonalize([fulls[j] for j in owned], [chunk[j].tensors.view for j in owned],
+                            [finite[j] for j in owned], coefficients=settings.coefficients, eps=settings.eps,
+                            ns_dtype=settings.ns_dtype, out_dtype=settings.comm_dtype)
+    orthogonal = dict(zip(owned, results))
+    del fulls
+    send = _pack(orthogonal, scatter, send.device, settings.comm_dtype)
+    work, received = comm.launch_all_to_all(send, scatter, settings.group)
+    yield
+    comm.wait(work)
+    updates = {piece.item: _piece(received, piece.offset, piece.box) for piece in scatter.receives}
+    for j, item in enumerate(chunk):
+        mine = item.layout.boxes[settings.rank]
+        update = orthogonal[j][mine] if j in orthogonal else updates.get(j)
+        view = item.tensors.view
+        apply_update(local_tensor(item.tensors.param), update, finite[j], item.tensors.nonfinite_skips,
+                     lr=settings.lr, weight_decay=settings.weight_decay,
+                     step_size=adjusted_lr(settings.lr, settings.adjust_lr_fn, view.rows, view.cols))
+
+
+def _piece(buffer: Tensor, offset: int, box: tuple[slice, ...]) -> Tensor:
+    return buffer.narrow(0, offset, box_numel(box)).view(box_shape(box))
+
+
+def _momentum_stage(chunk: list[SpreadItem], gather: Exchange, send: Tensor,
+                    settings: SpreadSettings) -> tuple[list[Tensor | None], Tensor]:
+    """Momentum on the local shards. Each rank's update goes straight where it is needed: into the send buffer
+    when it travels to the owner, into the owner's whole-matrix buffer when this rank is the owner, else (a
+    replica another rank sends for) into scratch. Returns the owners' buffers and the finite flags."""
+    send_at = {piece.item: piece for piece in gather.sends}
+    fulls: list[Tensor | None] = [None] * len(chunk)
+    outputs: list[Tensor] = []
+    copies: list[tuple[Tensor, Tensor]] = []
+    for j, item in enumerate(chunk):
+        box = item.layout.boxes[settings.rank]
+        if tuple(item.grad.shape) != box_shape(box):
+            raise RuntimeError(f"Muon: the local shard of a parameter of global shape {item.layout.shape} has "
+                               f"shape {tuple(item.grad.shape)}, but its placements give {box_shape(box)}")
+        if item.owner == settings.rank:
+            fulls[j] = torch.empty(item.layout.shape, dtype=settings.comm_dtype, device=send.device)
+            target = fulls[j][box]
+            if not target.is_contiguous():  # the op writes contiguous outputs: fill a temporary, copy it in
+                temp = torch.empty(box_shape(box), dtype=settings.comm_dtype, device=send.device)
+                copies.append((target, temp))
+                target = temp
+            outputs.append(target)
+        elif j in send_at:
+            outputs.append(_piece(send, send_at[j].offset, box))
+        else:
+            outputs.append(torch.empty(box_shape(box), dtype=settings.comm_dtype, device=send.device))
+    finite = native.muon_momentum_([local_tensor(item.tensors.momentum_buffer) for item in chunk],
+                                   [item.grad for item in chunk], outputs, settings.momentum, settings.nesterov)
+    for target, temp in copies:
+        target.copy_(temp)
+    return fulls, finite
+
+
+def _pack(orthogonal: dict[int, Tensor], scatter: Exchange, device: torch.device, dtype: torch.dtype) -> Tensor:
+    if not scatter.sends:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([orthogonal[piece.item][piece.box].reshape(-1) for piece in scatter.sends])
