@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for kernel_under_test
 from kernel_under_test import optimizer  # noqa: E402
@@ -35,7 +36,7 @@ OPTIONS = dict(lr=LR, weight_decay=0.1, momentum=0.9, ns_dtype=torch.float32)
 SHAPES = [(10, 6), (3, 8), (8, 3), (6, 6), (6, 6), (6, 6), (2, 5, 6), (6, 3, 2, 2), (12, 4)]
 
 
-def _randn(shapes: Sequence[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
+def randn_tensors(shapes: Sequence[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=generator) for shape in shapes]
 
@@ -44,13 +45,13 @@ def _global(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _assert_matches(ours: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], atol: float) -> None:
+def assert_matches(ours: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], atol: float) -> None:
     for index, (mine, truth) in enumerate(zip(ours, reference)):
         error = (_global(mine) - truth).abs().max().item()
         assert error <= atol, f"tensor {index} of shape {tuple(truth.shape)}: max error {error:.3g} > {atol:.3g}"
 
 
-def _run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], torch.Tensor],
+def run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], torch.Tensor],
               shapes: Sequence[tuple[int, ...]], nan_at: tuple[int, int, tuple[int, ...]] | None = None,
               **options) -> tuple[Muon, Muon, list[torch.Tensor]]:
     """STEPS steps of Muon on `params` (distributed) and on plain copies of their global values (the truth),
@@ -59,7 +60,7 @@ def _run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], to
     ours = Muon(params, **OPTIONS, **options)
     truth = Muon(reference, **OPTIONS)
     for step in range(STEPS):
-        grads = _randn(shapes, seed=100 + step)
+        grads = randn_tensors(shapes, seed=100 + step)
         if nan_at is not None and nan_at[1] == step:
             grads[nan_at[0]][nan_at[2]] = math.nan
         for p, q, g in zip(params, reference, grads):
@@ -72,19 +73,21 @@ def _run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], to
 def dtensor_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], atol: float = FP32_ATOL,
                  nan_at: tuple[int, int, tuple[int, ...]] | None = None,
                  comm_dtype: torch.dtype | None = torch.float32, **options) -> None:
-    """DTensors made with distribute_tensor; comm_dtype None leaves Muon's default (bfloat16)."""
+    """DTensors made with distribute_tensor; comm_dtype None leaves Muon's default (bfloat16). Every rank made the
+    same global tensors, so each splits its own part (src_data_rank=None; DTensor's scatter path also refuses
+    uneven strided shards)."""
     mesh = init_device_mesh("cpu", mesh_shape)
-    params = [distribute_tensor(t, mesh, placements) for t in _randn(SHAPES, seed=0)]
-    make_grad = partial(distribute_tensor, device_mesh=mesh, placements=placements)
+    params = [distribute_tensor(t, mesh, placements, src_data_rank=None) for t in randn_tensors(SHAPES, seed=0)]
+    make_grad = partial(distribute_tensor, device_mesh=mesh, placements=placements, src_data_rank=None)
     if comm_dtype is not None:
         options["comm_dtype"] = comm_dtype
-    ours, truth, reference = _run_pair(params, make_grad, SHAPES, nan_at=nan_at, **options)
-    _assert_matches(params, reference, atol)
+    ours, truth, reference = run_pair(params, make_grad, SHAPES, nan_at=nan_at, **options)
+    assert_matches(params, reference, atol)
     buffers = [ours.state[p]["momentum_buffer"] for p in params]
     for p, buffer in zip(params, buffers):  # momentum stays sharded like its parameter
         assert isinstance(buffer, DTensor) and buffer.placements == p.placements
         assert buffer.to_local().shape == p.to_local().shape
-    _assert_matches(buffers, [truth.state[q]["momentum_buffer"] for q in reference], atol)
+    assert_matches(buffers, [truth.state[q]["momentum_buffer"] for q in reference], atol)
     skips = [int(ours.state[p]["nonfinite_skips"]) for p in params]
     assert skips == [int(truth.state[q]["nonfinite_skips"]) for q in reference], skips
 
@@ -116,7 +119,7 @@ def fsdp2_case(world: int) -> None:
         truth.step()
         ours.zero_grad()
         truth.zero_grad()
-    _assert_matches(list(model.parameters()), list(reference.parameters()), FP32_ATOL)
+    assert_matches(list(model.parameters()), list(reference.parameters()), FP32_ATOL)
 
 
 def ddp_case(world: int, comm_dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL) -> None:
@@ -137,7 +140,7 @@ def ddp_case(world: int, comm_dtype: torch.dtype = torch.float32, atol: float = 
         truth.step()
         ours.zero_grad()
         truth.zero_grad()
-    _assert_matches(list(model.parameters()), list(reference.parameters()), atol)
+    assert_matches(list(model.parameters()), list(reference.parameters()), atol)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     copies = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(copies, flat)
@@ -161,6 +164,7 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "fsdp2_fully_shard": partial(fsdp2_case, world),
         "shard0_1d": partial(dtensor_case, (world,), [Shard(0)]),
         "shard1_1d": partial(dtensor_case, (world,), [Shard(1)]),
+        "strided_shard1_1d": partial(dtensor_case, (world,), [_StridedShard(1, split_factor=2)]),
         "replicate_1d": partial(dtensor_case, (world,), [Replicate()]),
         "shard0_one_matrix_per_chunk": partial(dtensor_case, (world,), [Shard(0)], chunk_size=1),
         "nonfinite_on_one_shard_skips_everywhere": partial(nonfinite_shard_case, world),
@@ -169,6 +173,10 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "shard0_bf16_comm_default": partial(dtensor_case, (world,), [Shard(0)], atol=BF16_ATOL, comm_dtype=None),
     }
     if world == 4:
+        cases["mesh2x2_strided_shard0_shard0"] = partial(dtensor_case, (2, 2), [_StridedShard(0, split_factor=2),
+                                                                                Shard(0)])
+        # (3, 8) over 4 ranks: rank 3 holds no row, yet must skip (and count) like the rank with the NaN.
+        cases["nonfinite_beside_an_empty_shard"] = partial(dtensor_case, (4,), [Shard(0)], nan_at=(1, 1, (0, 2)))
         cases["mesh2x2_shard0_shard1"] = partial(dtensor_case, (2, 2), [Shard(0), Shard(1)])
         cases["mesh2x2_replicate_shard0"] = partial(dtensor_case, (2, 2), [Replicate(), Shard(0)])
     return cases

@@ -7,6 +7,8 @@ import itertools
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from kernel_under_test import optimizer, submodule
 
@@ -14,6 +16,7 @@ assignment = submodule(optimizer, "distributed.assignment")
 layout_module = submodule(optimizer, "distributed.layout")
 plan = submodule(optimizer, "distributed.plan")
 routing = submodule(optimizer, "routing")
+GRID_2X2 = (0, 1, 2, 3)  # group rank at mesh coordinates (0, 0), (0, 1), (1, 0), (1, 1)
 
 
 def gpt_matrix_shapes(layers: int, width: int) -> list[tuple[int, int]]:
@@ -48,30 +51,52 @@ def _chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("length,parts", [(10, 4), (2, 4), (8, 2), (7, 3), (1, 4)])
 def test_shard_boxes_follow_torch_chunk(length: int, parts: int) -> None:
-    grid = {(rank,): rank for rank in range(parts)}
-    layout = layout_module.sharded_layout((length, 5), (parts,), [0], grid)
+    layout = layout_module.sharded_layout((length, 5), (parts,), (Shard(0),), tuple(range(parts)))
     assert [(box[0].start, box[0].stop) for box in layout.boxes] == _chunk_bounds(length, parts)
     assert all((box[1].start, box[1].stop) == (0, 5) for box in layout.boxes)
 
 
 def test_nested_shards_on_one_dim_and_replicas_on_a_2d_mesh() -> None:
-    grid = {(i, j): 2 * i + j for i in range(2) for j in range(2)}
-    nested = layout_module.sharded_layout((10, 3), (2, 2), [0, 0], grid)
+    nested = layout_module.sharded_layout((10, 3), (2, 2), (Shard(0), Shard(0)), GRID_2X2)
     # Shard(0) twice: first 10 -> 5, 5, then each 5 -> 3, 2 (torch.chunk of each half).
     assert [(b[0].start, b[0].stop) for b in nested.boxes] == [(0, 3), (3, 5), (5, 8), (8, 10)]
-    replicated_rows = layout_module.sharded_layout((10, 3), (2, 2), [None, 0], grid)
+    replicated_rows = layout_module.sharded_layout((10, 3), (2, 2), (Replicate(), Shard(0)), GRID_2X2)
     assert [(b[0].start, b[0].stop) for b in replicated_rows.boxes] == [(0, 5), (5, 10), (0, 5), (5, 10)]
     assert replicated_rows.sources(owner=3) == [0, 3]  # the owner sends nothing it holds; rank 0 has rows 0-5
 
 
+def _global_indices(layout, rank: int, dim: int) -> list[int]:
+    box = layout.boxes[rank][dim]
+    order = layout.orders[dim] or range(layout.shape[dim])
+    return list(order[box.start:box.stop])
+
+
+@pytest.mark.parametrize("rows", [8, 9, 3])
+def test_strided_shard_holds_fsdp_over_tensor_parallel_rows(rows: int) -> None:
+    # FSDP2 over tensor parallelism on a (dp, tp) mesh: TP splits the rows with torch.chunk, then FSDP splits each
+    # TP shard again with torch.chunk; DTensor labels this (_StridedShard(0, split_factor=tp), Shard(0)).
+    layout = layout_module.sharded_layout((rows, 4), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)), GRID_2X2)
+    for dp, tp in itertools.product(range(2), range(2)):
+        tp_rows = torch.arange(rows).chunk(2)
+        tp_part = tp_rows[tp] if tp < len(tp_rows) else torch.arange(0)
+        dp_rows = tp_part.chunk(2)
+        expected = dp_rows[dp].tolist() if dp < len(dp_rows) else []
+        assert _global_indices(layout, 2 * dp + tp, 0) == expected
+        assert _global_indices(layout, 2 * dp + tp, 1) == [0, 1, 2, 3]
+    whole = torch.randn(rows, 4)
+    assert torch.equal(layout.to_global(layout.to_storage(whole)), whole)
+    for rank in range(4):  # a rank's local tensor is its box of the storage-order tensor
+        assert torch.equal(layout.to_storage(whole)[layout.boxes[rank]], whole[_global_indices(layout, rank, 0)])
+
+
 def _layouts_for_plan_checks() -> list:
-    grid2 = {(i, j): 2 * i + j for i in range(2) for j in range(2)}
-    grid1 = {(r,): r for r in range(4)}
+    ranks = (0, 1, 2, 3)
     return [
-        layout_module.sharded_layout((10, 6), (4,), [0], grid1),
-        layout_module.sharded_layout((3, 8), (4,), [0], grid1),  # an empty shard
-        layout_module.sharded_layout((6, 7), (2, 2), [0, 1], grid2),
-        layout_module.sharded_layout((9, 4), (2, 2), [None, 0], grid2),
+        layout_module.sharded_layout((10, 6), (4,), (Shard(0),), ranks),
+        layout_module.sharded_layout((3, 8), (4,), (Shard(0),), ranks),  # an empty shard
+        layout_module.sharded_layout((6, 7), (2, 2), (Shard(0), Shard(1)), GRID_2X2),
+        layout_module.sharded_layout((9, 4), (2, 2), (Replicate(), Shard(0)), GRID_2X2),
+        layout_module.sharded_layout((9, 4), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)), GRID_2X2),
         layout_module.replicated_layout((5, 5), 4),
     ]
 
@@ -80,7 +105,7 @@ def _layouts_for_plan_checks() -> list:
 @pytest.mark.parametrize("owners", list(itertools.product(range(4), repeat=2))[::3])
 def test_all_to_all_plans_agree_between_ranks_and_cover_every_element_once(owners: tuple[int, int]) -> None:
     layouts = _layouts_for_plan_checks()
-    owner_of = [owners[0], owners[1], owners[1], owners[0], (owners[0] + 1) % 4]
+    owner_of = [owners[0], owners[1], owners[1], owners[0], (owners[0] + 1) % 4, (owners[1] + 2) % 4]
     gathers = [plan.gather_exchange(layouts, owner_of, rank) for rank in range(4)]
     scatters = [plan.scatter_exchange(layouts, owner_of, rank) for rank in range(4)]
     for exchanges in (gathers, scatters):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from itertools import product
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .dtensors import Placement
 from .plan import Exchange
 
 
@@ -20,11 +21,31 @@ def mesh_group(mesh: "dist.DeviceMesh") -> dist.ProcessGroup:
     return mesh._flatten().get_group()  # a sub-mesh of several dims: its flattened group (no public API yet)
 
 
-def mesh_group_ranks(mesh: "dist.DeviceMesh", group: dist.ProcessGroup) -> dict[tuple[int, ...], int]:
-    """The group rank at each coordinate of the mesh."""
-    global_ranks = mesh.mesh
-    return {coordinate: dist.get_group_rank(group, int(global_ranks[coordinate]))
-            for coordinate in product(*(range(size) for size in global_ranks.shape))}
+def spread_mesh_dims(mesh: "dist.DeviceMesh", placements: Sequence["Placement"]) -> tuple[int, ...]:
+    """The mesh dims a DTensor's update runs over: those that shard it, so that each replica group (HSDP's
+    replicate dim) runs its own owners and no traffic crosses replicas; every dim when nothing shards it (the
+    replicas then split the Newton-Schulz work, as under DDP). Several sharding dims beside a replicate dim need
+    a flattened sub-mesh, which only a mesh with dim names offers; without names the update spans the mesh."""
+    dims = tuple(i for i, placement in enumerate(placements) if not placement.is_replicate())
+    if not dims or len(dims) == mesh.ndim or (len(dims) > 1 and not mesh.mesh_dim_names):
+        return tuple(range(mesh.ndim))
+    return dims
+
+
+def spread_group(mesh: "dist.DeviceMesh", dims: tuple[int, ...]) -> dist.ProcessGroup:
+    """One process group over the ranks of `mesh` that share this rank's coordinates outside `dims`."""
+    if len(dims) == mesh.ndim:
+        return mesh_group(mesh)
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    return mesh[tuple(mesh.mesh_dim_names[i] for i in dims)]._flatten().get_group()  # cached by the root mesh
+
+
+def spread_group_ranks(mesh: "dist.DeviceMesh", dims: tuple[int, ...], group: dist.ProcessGroup) -> tuple[int, ...]:
+    """The group rank at each coordinate of the sub-mesh over `dims` that holds this rank, in row-major order."""
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if i in dims else coordinate[i] for i in range(mesh.ndim))
+    return tuple(dist.get_group_rank(group, int(rank)) for rank in mesh.mesh[index].reshape(-1))
 
 
 def rank_and_world(group: dist.ProcessGroup) -> tuple[int, int]:

@@ -6,8 +6,11 @@ from torch import Tensor
 
 try:
     from torch.distributed.tensor import DTensor, Placement, Shard
+    # FSDP2 on top of tensor parallelism shards a dim twice and labels the outer split this way; private, but
+    # DTensor's own layout code treats it as a Shard kind, and so must anything that reads placements.
+    from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # a torch built without distributed support
-    DTensor = Placement = Shard = None
+    DTensor = Placement = Shard = _StridedShard = None
 
 
 def is_dtensor(tensor: Tensor) -> bool:
@@ -19,6 +22,16 @@ def local_tensor(tensor: Tensor) -> Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
+def is_shard(placement: "Placement") -> bool:
+    """Shard(dim) or _StridedShard(dim, split_factor): the placement splits a tensor dim over a mesh dim."""
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+def sharded_tensor_dim(placement: "Placement", ndim: int) -> int | None:
+    """The (non-negative) tensor dim a Shard kind splits, else None."""
+    return placement.dim % ndim if is_shard(placement) else None
+
+
 def shard_dim(placement: "Placement") -> int | None:
-    """The tensor dim a plain Shard placement splits, else None (Replicate, or a placement of another kind)."""
-    return placement.dim if type(placement) is Shard else None  # not subclasses: _StridedShard rows interleave
+    """The tensor dim a plain Shard placement splits, else None (Replicate, _StridedShard or another kind)."""
+    return placement.dim if type(placement) is Shard else None

@@ -6,13 +6,14 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import comm
 from .dtensors import is_dtensor, local_tensor
 
 
-def finite_everywhere(local_tensors: Sequence[Tensor], group: "comm.dist.ProcessGroup") -> Tensor:
+def finite_everywhere(local_tensors: Sequence[Tensor], group: dist.ProcessGroup) -> Tensor:
     """(N,) float32: 1.0 where the tensor is finite on every rank of `group`, else 0.0 (empty shards count as
     finite). Every rank of the group must call this with its own shards of the same tensors."""
     flags = torch.stack([torch.isfinite(tensor).all() for tensor in local_tensors]).to(torch.float32)
@@ -21,19 +22,21 @@ def finite_everywhere(local_tensors: Sequence[Tensor], group: "comm.dist.Process
 
 def found_inf_flags(grads: Sequence[Tensor]) -> list[Tensor]:
     """Per gradient, a float32 scalar: 1.0 if it has a NaN or Inf anywhere (on any rank, for a DTensor), else 0.0.
-    Plain tensors take one fused norm; DTensors one all-reduce per device mesh."""
+    Plain tensors take one fused norm; DTensors one all-reduce per group of ranks that shard them (replicas of
+    a shard, as under HSDP, hold the same values and need not be asked)."""
     flags: list[Tensor | None] = [None] * len(grads)
     plain = [i for i, grad in enumerate(grads) if not is_dtensor(grad)]
     if plain:
         norms = torch._foreach_norm([grads[i] for i in plain], math.inf)  # NaN propagates through the max
         for i, norm in zip(plain, norms):
             flags[i] = norm.isfinite().logical_not().to(torch.float32)
-    by_mesh: dict[object, list[int]] = {}
+    by_group: dict[dist.ProcessGroup, list[int]] = {}
     for i, grad in enumerate(grads):
         if is_dtensor(grad):
-            by_mesh.setdefault(grad.device_mesh, []).append(i)
-    for mesh, indices in by_mesh.items():
-        finite = finite_everywhere([local_tensor(grads[i]) for i in indices], comm.mesh_group(mesh))
+            mesh = grad.device_mesh
+            by_group.setdefault(comm.spread_group(mesh, comm.spread_mesh_dims(mesh, grad.placements)), []).append(i)
+    for group, indices in by_group.items():
+        finite = finite_everywhere([local_tensor(grads[i]) for i in indices], group)
         for i, flag in zip(indices, finite.unbind()):
             flags[i] = 1.0 - flag
     return flags

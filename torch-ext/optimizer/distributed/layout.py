@@ -1,6 +1,12 @@
 """Which part of a parameter's global tensor each rank holds: one box (a slice per dimension) per rank.
 
-Pure Python on shapes and placements: no communication. Ranks are ranks of the process group the pipeline runs on.
+No communication: layouts follow from shapes and placements alone. Ranks are ranks of the process group the pipeline
+runs on.
+
+A box is contiguous in *storage order*, which is the global order except along dims a strided shard splits
+(FSDP2 on top of tensor parallelism gives `_StridedShard`): there a rank holds several separate runs of rows, and the
+layout keeps, per dim, the global index at each storage position. Storage order lists each rank's indices as one
+run, so boxes stay slices and only the owner, which holds the whole tensor, permutes it to and from global order.
 """
 
 from __future__ import annotations
@@ -8,9 +14,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import product
 
+import torch
+from torch import Tensor
+
+from .dtensors import Placement, sharded_tensor_dim
+
 Box = tuple[slice, ...]
+Order = tuple[int, ...] | None  # the global index at each storage position of one dim; None: the identity
 
 
 def box_numel(box: Box) -> int:
@@ -27,10 +40,12 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """`boxes[r]` is the box of the global tensor (shape `shape`) that rank r holds; boxes may repeat (replicas)."""
+    """`boxes[r]` is the box, in storage order, of the global tensor (shape `shape`) that rank r holds; boxes may
+    repeat (replicas). `orders[d]` maps storage positions of dim d to global indices (None: the same)."""
 
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
+    orders: tuple[Order, ...] = ()
 
     @property
     def world(self) -> int:
@@ -40,6 +55,12 @@ class ShardLayout:
     def is_sharded(self) -> bool:
         """Whether some rank lacks part of the tensor (then a non-finite gradient may show on some ranks only)."""
         return any(box_numel(box) != math.prod(self.shape) for box in self.boxes)
+
+    @property
+    def split_dims(self) -> tuple[int, ...]:
+        """The tensor dims along which some rank holds less than the whole extent."""
+        return tuple(dim for dim, size in enumerate(self.shape)
+                     if any(box[dim].stop - box[dim].start != size for box in self.boxes))
 
     def sources(self, owner: int) -> list[int]:
         """One rank per distinct non-empty box, whose copy is sent to `owner`: the owner itself when it holds
@@ -52,6 +73,20 @@ class ShardLayout:
             chosen[_bounds(self.boxes[owner])] = owner
         return sorted(chosen.values())
 
+    def to_global(self, stored: Tensor) -> Tensor:
+        """The whole tensor in storage order -> in global order."""
+        for dim, order in enumerate(self.orders):
+            if order is not None:  # the inverse permutation: global index -> storage position
+                stored = stored.index_select(dim, torch.tensor(order, device=stored.device).argsort())
+        return stored
+
+    def to_storage(self, whole: Tensor) -> Tensor:
+        """The whole tensor in global order -> in storage order, where `whole[box]` is a rank's local tensor."""
+        for dim, order in enumerate(self.orders):
+            if order is not None:
+                whole = whole.index_select(dim, torch.tensor(order, device=whole.device))
+        return whole
+
 
 def replicated_layout(shape: Sequence[int], world: int) -> ShardLayout:
     """A tensor every rank holds whole (DDP)."""
@@ -59,27 +94,43 @@ def replicated_layout(shape: Sequence[int], world: int) -> ShardLayout:
     return ShardLayout(tuple(shape), (full,) * world)
 
 
-def _chunk(start: int, stop: int, parts: int, index: int) -> slice:
-    """Part `index` of [start, stop) split as torch.chunk and DTensor's Shard do: ceil-sized parts, the last ones
-    shorter or empty (10 rows over 4 ranks: 3, 3, 3, 1)."""
-    length = stop - start
-    size = -(-length // parts)
-    return slice(start + min(index * size, length), start + min((index + 1) * size, length))
-
-
-def sharded_layout(shape: Sequence[int], mesh_shape: Sequence[int], shard_dims: Sequence[int | None],
-                   group_rank_at: dict[tuple[int, ...], int]) -> ShardLayout:
-    """The layout of a DTensor on a device mesh of `mesh_shape`.
-
-    `shard_dims[i]` is the tensor dim mesh dim i shards (Shard(d)), or None (Replicate). Shards on the same tensor
-    dim nest in mesh-dim order, as DTensor does. `group_rank_at` maps each mesh coordinate to its group rank.
+def _indices_held(dim: int, length: int, splits: Sequence[tuple[Placement, int, int]]) -> Tensor:
+    """The global indices along tensor dim `dim` that survive `splits` = (placement, mesh dim size, coordinate),
+    applied in mesh-dim order with DTensor's own split (torch.chunk for Shard, interleaved runs for _StridedShard).
     """
-    boxes: dict[int, Box] = {}
-    for coordinate in product(*(range(size) for size in mesh_shape)):
-        box = [slice(0, size) for size in shape]
-        for mesh_dim, tensor_dim in enumerate(shard_dims):
-            if tensor_dim is not None:
-                current = box[tensor_dim]
-                box[tensor_dim] = _chunk(current.start, current.stop, mesh_shape[mesh_dim], coordinate[mesh_dim])
-        boxes[group_rank_at[coordinate]] = tuple(box)
-    return ShardLayout(tuple(shape), tuple(boxes[rank] for rank in range(len(boxes))))
+    indices = torch.arange(length).view((1,) * dim + (length,))  # laid along `dim`, where the placements split
+    for placement, parts, coordinate in splits:
+        indices = placement._split_tensor(indices, parts, with_padding=False)[0][coordinate]
+    return indices.reshape(-1)
+
+
+@lru_cache(maxsize=4096)
+def sharded_layout(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
+                   group_ranks: tuple[int, ...]) -> ShardLayout:
+    """The layout of a DTensor on a device mesh of `mesh_shape` with `placements` (Shard, _StridedShard or
+    Replicate per mesh dim). `group_ranks` lists the group rank at each mesh coordinate, in row-major order.
+
+    Shards of one tensor dim nest in mesh-dim order, as DTensor applies them. Cached: every step asks again.
+    """
+    coordinates = list(product(*(range(size) for size in mesh_shape)))
+    boxes: list[list[slice]] = [[] for _ in coordinates]
+    orders: list[Order] = []
+    for dim, length in enumerate(shape):
+        mesh_dims = [m for m, placement in enumerate(placements) if sharded_tensor_dim(placement, len(shape)) == dim]
+        runs: dict[tuple[int, ...], Tensor] = {}  # coordinates on those mesh dims -> indices held; in order
+        for coordinate in coordinates:
+            key = tuple(coordinate[m] for m in mesh_dims)
+            if key not in runs:
+                splits = [(placements[m], mesh_shape[m], coordinate[m]) for m in mesh_dims]
+                runs[key] = _indices_held(dim, length, splits)
+        starts, position = {}, 0
+        for key in sorted(runs):
+            starts[key] = position
+            position += len(runs[key])
+        order = tuple(torch.cat([runs[key] for key in sorted(runs)]).tolist())
+        orders.append(None if order == tuple(range(length)) else order)
+        for index, coordinate in enumerate(coordinates):
+            key = tuple(coordinate[m] for m in mesh_dims)
+            boxes[index].append(slice(starts[key], starts[key] + len(runs[key])))
+    by_rank = dict(zip(group_ranks, boxes))
+    return ShardLayout(tuple(shape), tuple(tuple(by_rank[rank]) for rank in range(len(by_rank))), tuple(orders))

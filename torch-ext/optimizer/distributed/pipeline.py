@@ -44,13 +44,15 @@ class SpreadSettings:
 
 @dataclass(frozen=True)
 class SpreadItem:
-    """One Muon parameter of the step, with its layout over the group, its owner and its local gradient (set to
-    NaN when another rank's shard of it is not finite, so that every rank skips it)."""
+    """One Muon parameter of the step, with its layout over the group, its owner, its local gradient (set to
+    NaN when another rank's shard of it is not finite, so that every rank skips it) and whether it is finite on
+    every rank (a float32 0.0 or 1.0: a rank whose shard is empty learns it only from this flag)."""
 
     tensors: MuonTensors
     layout: ShardLayout
     owner: int
     grad: Tensor
+    finite_everywhere: Tensor
 
 
 def run_staggered(pipelines: Iterable[ChunkPipeline]) -> None:
@@ -88,10 +90,11 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPi
     for piece in gather.receives:
         fulls[piece.item][piece.box] = _piece(received, piece.offset, piece.box)
     owned = [j for j, item in enumerate(chunk) if item.owner == settings.rank]
-    results = orthogonalize([fulls[j] for j in owned], [chunk[j].tensors.view for j in owned],
+    results = orthogonalize([chunk[j].layout.to_global(fulls[j]) for j in owned],
+                            [chunk[j].tensors.view for j in owned],
                             [finite[j] for j in owned], coefficients=settings.coefficients, eps=settings.eps,
                             ns_dtype=settings.ns_dtype, out_dtype=settings.comm_dtype)
-    orthogonal = dict(zip(owned, results))
+    orthogonal = {j: chunk[j].layout.to_storage(result) for j, result in zip(owned, results)}
     del fulls
     send = _pack(orthogonal, scatter, send.device, settings.comm_dtype)
     work, received = comm.launch_all_to_all(send, scatter, settings.group)
@@ -139,6 +142,7 @@ def _momentum_stage(chunk: list[SpreadItem], gather: Exchange, send: Tensor,
             outputs.append(torch.empty(box_shape(box), dtype=settings.comm_dtype, device=send.device))
     finite = native.muon_momentum_([local_tensor(item.tensors.momentum_buffer) for item in chunk],
                                    [item.grad for item in chunk], outputs, settings.momentum, settings.nesterov)
+    finite = finite * torch.stack([item.finite_everywhere for item in chunk])  # products of 0.0 and 1.0: exact
     for target, temp in copies:
         target.copy_(temp)
     return fulls, finite

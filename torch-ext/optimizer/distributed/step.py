@@ -1,20 +1,23 @@
 """The distributed Muon step for one parameter group: parameters that are DTensors, or plain tensors replicated
-over a process group (DDP), grouped by the ranks they live on and sent through the chunked all-to-all pipeline."""
+over a process group (DDP), grouped by the ranks they live on and sent through the chunked all-to-all pipeline;
+expert banks whose ranks hold whole experts are updated where they are."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..coefficients import Coefficients
-from ..functional import MuonTensors
+from ..functional import MuonTensors, muon_update
+from ..routing import MatrixView
 from . import comm
 from .assignment import assign_owners, by_decreasing_cost, newton_schulz_cost
-from .dtensors import Placement, is_dtensor, local_tensor, shard_dim
+from .dtensors import is_dtensor, is_shard, local_tensor
 from .finite import finite_everywhere
 from .layout import ShardLayout, replicated_layout, sharded_layout
 from .pipeline import SpreadItem, SpreadSettings, chunk_pipeline, run_staggered
@@ -34,16 +37,25 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
                             momentum: float, nesterov: bool, coefficients: list[Coefficients], eps: float,
                             adjust_lr_fn: str | None, ns_dtype: torch.dtype) -> None:
     """Muon's update for parameters spread over ranks, with the single-device result (up to `comm_dtype`
-    rounding). DTensors run over their device mesh, plain tensors over `process_group`. Every rank of those
-    groups must call this with the same parameters in the same order."""
-    for group, group_items in _by_group(items, process_group).items():
+    rounding). DTensors run over the mesh dims that shard them (see `comm.spread_mesh_dims`), plain tensors over
+    `process_group`. Parameters whose every rank holds whole matrices (expert banks sharded on the expert dim)
+    are orthogonalized where they are, with no transfer. Every rank of those groups must call this with the same
+    parameters in the same order."""
+    for (group, dims), group_items in _by_group(items, process_group).items():
         rank, world = comm.rank_and_world(group)
-        layouts = [_layout(item.param, group, world) for item in group_items]
-        grads = _agreed_local_grads(group_items, layouts, group)
-        costs = [newton_schulz_cost(item.view) for item in group_items]
-        owners = assign_owners(costs, world)
-        spread = [SpreadItem(item, layout, owner, grad)
-                  for item, layout, owner, grad in zip(group_items, layouts, owners, grads)]
+        layouts = [_layout(item.param, group, dims, world) for item in group_items]
+        grads, everywhere = _agreed_local_grads(group_items, layouts, group)
+        in_place = [_holds_whole_matrices(item, layout) for item, layout in zip(group_items, layouts)]
+        _update_in_place([(item, grad, flag) for item, grad, flag, local in
+                          zip(group_items, grads, everywhere.unbind(), in_place) if local],
+                         lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                         coefficients=coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
+        spread = [SpreadItem(item, layout, 0, grad, flag) for item, layout, grad, flag, local in
+                  zip(group_items, layouts, grads, everywhere.unbind(), in_place) if not local]
+        if not spread:
+            continue
+        costs = [newton_schulz_cost(item.tensors.view) for item in spread]
+        spread = [replace(item, owner=owner) for item, owner in zip(spread, assign_owners(costs, world))]
         ordered = [spread[i] for i in by_decreasing_cost(costs)]
         size = chunk_size or _MATRICES_PER_RANK_PER_CHUNK * world
         settings = SpreadSettings(group, rank, comm_dtype, ns_dtype, coefficients, eps, momentum, nesterov, lr,
@@ -52,46 +64,81 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
                       for start in range(0, len(ordered), size))
 
 
-def _by_group(items: Sequence[MuonTensors],
-              process_group: dist.ProcessGroup | None) -> dict[dist.ProcessGroup, list[MuonTensors]]:
-    groups: dict[dist.ProcessGroup, list[MuonTensors]] = {}
+def _by_group(items: Sequence[MuonTensors], process_group: dist.ProcessGroup | None
+              ) -> dict[tuple[dist.ProcessGroup, tuple[int, ...]], list[MuonTensors]]:
+    """Items keyed by the process group their update runs over and, for DTensors, the mesh dims it spans."""
+    groups: dict[tuple[dist.ProcessGroup, tuple[int, ...]], list[MuonTensors]] = {}
     for item in items:
-        group = comm.mesh_group(item.param.device_mesh) if is_dtensor(item.param) else process_group
-        groups.setdefault(group, []).append(item)
+        key: tuple[dist.ProcessGroup, tuple[int, ...]] = (process_group, ())
+        if is_dtensor(item.param):
+            _check_placements(item.param)
+            mesh = item.param.device_mesh
+            dims = comm.spread_mesh_dims(mesh, item.param.placements)
+            key = (comm.spread_group(mesh, dims), dims)
+        groups.setdefault(key, []).append(item)
     return groups
 
 
-def _layout(param: Tensor, group: dist.ProcessGroup, world: int) -> ShardLayout:
+def _check_placements(param: Tensor) -> None:
+    for placement in param.placements:
+        if not (placement.is_replicate() or is_shard(placement)):
+            raise RuntimeError(f"Muon: parameter of shape {tuple(param.shape)} has placement {placement!r} on mesh "
+                               f"{param.device_mesh}; supported are Shard(dim), _StridedShard and Replicate()")
+
+
+def _layout(param: Tensor, group: dist.ProcessGroup, dims: tuple[int, ...], world: int) -> ShardLayout:
     if not is_dtensor(param):
         return replicated_layout(param.shape, world)
     mesh = param.device_mesh
-    shard_dims = [_shard_dim(param, placement) for placement in param.placements]
-    return sharded_layout(param.shape, mesh.shape, shard_dims, comm.mesh_group_ranks(mesh, group))
+    return sharded_layout(tuple(param.shape), tuple(mesh.shape[i] for i in dims),
+                          tuple(param.placements[i] for i in dims), comm.spread_group_ranks(mesh, dims, group))
 
 
-def _shard_dim(param: Tensor, placement: Placement) -> int | None:
-    """The tensor dim a placement shards, None for Replicate; other placements are refused."""
-    if placement.is_replicate():
-        return None
-    dim = shard_dim(placement)
-    if dim is not None:
-        return dim % param.ndim
-    raise RuntimeError(f"Muon: parameter of shape {tuple(param.shape)} has placement {placement!r} on mesh "
-                       f"{param.device_mesh}; supported are Shard(dim) and Replicate()")
+def _matrix_batch_dims(view: MatrixView, shape: tuple[int, ...]) -> range:
+    """The parameter dims that only say which of the view's matrices an element is in."""
+    if view.spatial_batched:  # (out, in, *kernel): one matrix per kernel position
+        return range(2, len(shape))
+    if shape[-2:] == (view.rows, view.cols):  # (*batch, rows, cols), e.g. an expert bank (E, out, in)
+        return range(len(shape) - 2)
+    return range(0)  # a flattened conv weight: every dim reaches into the one matrix
+
+
+def _holds_whole_matrices(item: MuonTensors, layout: ShardLayout) -> bool:
+    """Whether the parameter is split, but only between whole matrices (an expert bank sharded on its expert
+    dim): then each rank can orthogonalize its own matrices, exactly as one device would, without transfers."""
+    batch_dims = _matrix_batch_dims(item.view, layout.shape)
+    return layout.is_sharded and all(dim in batch_dims for dim in layout.split_dims)
 
 
 def _agreed_local_grads(items: Sequence[MuonTensors], layouts: Sequence[ShardLayout],
-                        group: dist.ProcessGroup) -> list[Tensor]:
-    """Local gradient shards, with the shards of a matrix that is not finite on SOME rank set to NaN on every
-    rank, so that the momentum op skips the whole matrix everywhere (one all-reduce of flags, no host sync)."""
+                        group: dist.ProcessGroup) -> tuple[list[Tensor], Tensor]:
+    """Local gradient shards and (N,) float32 flags: 0.0 where a sharded matrix is not finite on SOME rank, else
+    1.0. Such a matrix's shards are set to NaN on every rank, so that the momentum op skips the whole matrix
+    everywhere; the flag also tells ranks with an empty shard. One all-reduce of flags, no host sync."""
     grads = [local_tensor(_placed_like_param(item)).contiguous() for item in items]
+    everywhere = torch.ones(len(items), dtype=torch.float32, device=grads[0].device)
     sharded = [j for j, layout in enumerate(layouts) if layout.is_sharded]
     if not sharded:  # every rank holds the whole gradient: each already sees what the others see
-        return grads
+        return grads, everywhere
     flags = finite_everywhere([grads[j] for j in sharded], group)
+    everywhere[sharded] = flags
     for j, flag in zip(sharded, flags.unbind()):
         grads[j] = torch.where(flag > 0, grads[j], math.nan)
-    return grads
+    return grads, everywhere
+
+
+def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], **settings) -> None:
+    """Single-device Muon on each rank's own whole matrices of (item, agreed local grad, agreed flag)."""
+    local_items = []
+    for item, grad, flag in items:
+        param = local_tensor(item.param)
+        if param.numel() == 0:  # no matrices here, but the skip count must agree with the other ranks'
+            item.nonfinite_skips.add_(flag.eq(0))
+            continue
+        view = replace(item.view, batch=param.numel() // (item.view.rows * item.view.cols))
+        local_items.append(MuonTensors(param, grad, local_tensor(item.momentum_buffer), item.nonfinite_skips, view))
+    if local_items:
+        muon_update(local_items, **settings)
 
 
 def _placed_like_param(item: MuonTensors) -> Tensor:
