@@ -1,7 +1,9 @@
-"""The CUDA sources compile, even on machines with no GPU: the .cu for every capability in build.toml, and the C++
-side against the installed torch's headers (syntax only: a CPU torch has no CUDA libraries to link against).
+"""The CUDA sources compile, even on machines with no GPU: the .cu files for every capability in build.toml, and the
+C++ side against the installed torch's headers (syntax only: a CPU torch has no CUDA libraries to link against).
 
-The command lines come from tools/build.py, so this checks what `make build` would run on a CUDA machine.
+The command lines come from tools/build.py, so this checks what `make build` would run on a CUDA machine. Beyond
+compiling, two things can be checked without a GPU: the PTX of the Gram kernels uses the instructions their design
+rests on, and the Gram kernels' tile walk (host-callable) visits exactly the lower triangle.
 """
 
 from __future__ import annotations
@@ -14,10 +16,52 @@ from types import ModuleType
 
 import pytest
 
+CUDA_KERNEL_SOURCES = ["muon_momentum.cu", "symmetric_gram.cu"]
+CUDA_CPP_SOURCES = ["muon_momentum_cuda.cpp", "symmetric_gram_cuda.cpp", "torch_binding.cpp"]
+
+# Extra commands, keyed apart from the source names.
+GRAM_PTX = "symmetric_gram.cu -> ptx"
+TILE_WALK = "tile walk program"
+
+# A host program around the Gram kernels' lower_tile_coords (the .cu is included, so the function under test is the
+# one the kernels call). Its truth is plain enumeration: the lower triangle row by row. Rows near 2^16 and past 2^31
+# are where a float square root, or 32-bit indices, would go wrong; 3037000498 is the last row whose (row + 1) *
+# (row + 2) fits in int64.
+TILE_WALK_SOURCE = r"""
+#include "symmetric_gram.cu"
+#include <cstdio>
+
+int main() {
+  using muon_cuda::lower_tile_coords;
+  long long mismatches = 0;
+  auto check = [&](long long index, long long row, long long col) {
+    const auto tile = lower_tile_coords(index);
+    if (tile.row != row || tile.col != col) {
+      std::printf("index %lld: got (%lld, %lld), expected (%lld, %lld)\n", index, (long long)tile.row,
+                  (long long)tile.col, row, col);
+      ++mismatches;
+    }
+  };
+  long long index = 0;
+  for (long long row = 0; row < 2048; ++row) {
+    for (long long col = 0; col <= row; ++col) {
+      check(index++, row, col);
+    }
+  }
+  for (long long row : {65535LL, 65536LL, 92681LL, 1LL << 20, 2147483647LL, 3037000498LL}) {
+    const long long first = row * (row + 1) / 2;
+    for (long long col : {0LL, 1LL, row / 2, row - 1, row}) {
+      check(first + col, row, col);
+    }
+  }
+  return mismatches == 0 ? 0 : 1;
+}
+"""
+
 
 @dataclass(frozen=True)
 class Compiled:
-    commands: dict[str, list[str]]  # by source file name
+    commands: dict[str, list[str]]  # by source file name, or one of the extra keys above
     results: dict[str, subprocess.CompletedProcess[str]]
     objects: Path
 
@@ -38,6 +82,13 @@ def compiled(build_tool: ModuleType, tmp_path_factory: pytest.TempPathFactory) -
         elif source.suffix == ".cpp":
             commands[source.name] = ["c++", *build_tool.cxx_flags("cuda"), f"-DTORCH_EXTENSION_NAME={extension.name}",
                                      "-fsyntax-only", str(source)]
+    # Both extras target PTX only (no ptxas run), which keeps them to a few seconds.
+    gram_source = build_tool.REPO_ROOT / "kernels-src" / "cuda" / "symmetric_gram.cu"
+    commands[GRAM_PTX] = [build_tool.nvcc_path(), "-std=c++17", "-O3", "-arch=compute_80", "-ptx", str(gram_source),
+                          "-o", str(objects / "symmetric_gram.ptx")]
+    (objects / "tile_walk.cu").write_text(TILE_WALK_SOURCE)
+    commands[TILE_WALK] = [build_tool.nvcc_path(), "-std=c++17", "-O2", "-arch=compute_80",
+                           f"-I{gram_source.parent}", str(objects / "tile_walk.cu"), "-o", str(objects / "tile_walk")]
 
     def run(command: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(command, cwd=build_tool.REPO_ROOT, capture_output=True, text=True)
@@ -46,16 +97,42 @@ def compiled(build_tool: ModuleType, tmp_path_factory: pytest.TempPathFactory) -
         return Compiled(commands, dict(zip(commands, pool.map(run, commands.values()))), objects)
 
 
-def test_kernels_compile_for_every_capability(compiled: Compiled, build_tool: ModuleType) -> None:
+def result_of(compiled: Compiled, source: str) -> subprocess.CompletedProcess[str]:
+    assert source in compiled.results, f"{source} is not among build.toml's CUDA sources"
+    return compiled.results[source]
+
+
+@pytest.mark.parametrize("source", CUDA_KERNEL_SOURCES)
+def test_kernels_compile_for_every_capability(compiled: Compiled, build_tool: ModuleType, source: str) -> None:
     # One nvcc run builds a cubin per capability and fails if any of them does not compile.
+    result = result_of(compiled, source)
     for capability in build_tool.read_config().cuda_capabilities:
-        assert f"code=sm_{capability.replace('.', '')}" in " ".join(compiled.commands["muon_momentum.cu"])
-    result = compiled.results["muon_momentum.cu"]
+        assert f"code=sm_{capability.replace('.', '')}" in " ".join(compiled.commands[source])
     assert result.returncode == 0, result.stderr
-    assert (compiled.objects / "muon_momentum.cu.o").stat().st_size > 0
+    assert (compiled.objects / f"{source}.o").stat().st_size > 0
 
 
-@pytest.mark.parametrize("source", ["muon_momentum_cuda.cpp", "torch_binding.cpp"])
+@pytest.mark.parametrize("source", CUDA_CPP_SOURCES)
 def test_cuda_cpp_side_compiles_against_torch_headers(compiled: Compiled, source: str) -> None:
-    result = compiled.results[source]
+    result = result_of(compiled, source)
     assert result.returncode == 0, result.stderr
+
+
+def test_gram_kernels_use_tensor_cores_and_async_copies(compiled: Compiled) -> None:
+    result = compiled.results[GRAM_PTX]
+    assert result.returncode == 0, result.stderr
+    ptx = (compiled.objects / "symmetric_gram.ptx").read_text()
+    # PTX spells out the operand types: bf16 inputs with fp32 accumulators, and fp16 inputs (implicit in this form)
+    # with fp32 accumulators and results.
+    assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.bf16.bf16.f32" in ptx
+    assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.f32" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group 1" in ptx
+    # The fp32 path stays IEEE fp32: TF32 would show as cvt.rna.tf32 conversions or tf32 mma operands.
+    assert "fma.rn.f32" in ptx and "tf32" not in ptx
+
+
+def test_gram_tile_walk_visits_exactly_the_lower_triangle(compiled: Compiled) -> None:
+    build = compiled.results[TILE_WALK]
+    assert build.returncode == 0, build.stderr
+    walk = subprocess.run([str(compiled.objects / "tile_walk")], capture_output=True, text=True, timeout=60)
+    assert walk.returncode == 0, walk.stdout + walk.stderr

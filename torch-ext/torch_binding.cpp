@@ -1,4 +1,8 @@
 #include <cmath>
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
 
 #include <torch/library.h>
 
@@ -55,6 +59,60 @@ void checked_muon_momentum(at::TensorList momentum_buffers, at::TensorList grads
   impl(momentum_buffers, grads, updates, finite, beta, nesterov);
 }
 
+// The bytes [begin, end) a tensor's elements can occupy (a superset for gapped strides: a safe answer for overlap).
+std::pair<uintptr_t, uintptr_t> memory_span(const at::Tensor& tensor) {
+  const auto begin = reinterpret_cast<uintptr_t>(tensor.const_data_ptr());
+  if (tensor.numel() == 0) {
+    return {begin, begin};
+  }
+  int64_t last = 0;
+  for (int64_t dim = 0; dim < tensor.dim(); ++dim) {
+    last += (tensor.size(dim) - 1) * tensor.stride(dim);
+  }
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * tensor.element_size())};
+}
+
+bool share_memory(const at::Tensor& first, const at::Tensor& second) {
+  const auto [first_begin, first_end] = memory_span(first);
+  const auto [second_begin, second_end] = memory_span(second);
+  return first_begin < second_end && second_begin < first_end;
+}
+
+// out and C: (m, m), or (B, m, m) for a batched X (B, m, k), on X's device and in X's dtype.
+void check_gram_operand(const at::Tensor& operand, const char* name, const at::Tensor& X) {
+  TORCH_CHECK_VALUE(operand.device() == X.device(), "symmetric_gram_: ", name, " is on ", operand.device(),
+                    " but X is on ", X.device());
+  TORCH_CHECK_VALUE(operand.scalar_type() == X.scalar_type(), "symmetric_gram_: ", name, " has dtype ",
+                    operand.scalar_type(), " but X has dtype ", X.scalar_type());
+  std::vector<int64_t> expected(X.sizes().begin(), X.sizes().end());
+  expected.back() = X.size(-2);
+  TORCH_CHECK_VALUE(operand.sizes() == c10::IntArrayRef(expected), "symmetric_gram_: ", name, " has shape ",
+                    operand.sizes(), " but X of shape ", X.sizes(), " needs ", c10::IntArrayRef(expected));
+}
+
+// Shared by every backend. X and C may have any strides; out must be contiguous. Inputs may share memory with each
+// other (C is often X itself) but not with out, which is overwritten while they are read.
+void check_symmetric_gram_args(const at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C) {
+  TORCH_CHECK_VALUE(X.dim() == 2 || X.dim() == 3, "symmetric_gram_: X must be (m, k) or (B, m, k), got shape ",
+                    X.sizes());
+  TORCH_CHECK_VALUE(is_supported_dtype(X.scalar_type()), "symmetric_gram_: X has dtype ", X.scalar_type(),
+                    " (expected float32, float64, bfloat16 or float16)");
+  check_gram_operand(out, "out", X);
+  TORCH_CHECK_VALUE(out.is_contiguous(), "symmetric_gram_: out must be contiguous");
+  TORCH_CHECK_VALUE(!share_memory(X, out), "symmetric_gram_: X shares memory with out");
+  if (C.has_value()) {
+    check_gram_operand(*C, "C", X);
+    TORCH_CHECK_VALUE(!share_memory(*C, out), "symmetric_gram_: C shares memory with out");
+  }
+}
+
+template <SymmetricGramImpl impl>
+void checked_symmetric_gram(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C, double alpha,
+                            double beta) {
+  check_symmetric_gram_args(out, X, C);
+  impl(out, X, C, alpha, beta);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
@@ -62,11 +120,16 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "muon_momentum_(Tensor(a!)[] momentum_buffers, Tensor[] grads, Tensor(b!)[] updates, Tensor(c!) finite, "
       "float beta, bool nesterov) -> ()");
+  // out = alpha * X X^T + beta * C, written whole and exactly symmetric; C (symmetric) and beta are ignored when
+  // C is None, and then out's old contents are never read.
+  ops.def("symmetric_gram_(Tensor(a!) out, Tensor X, Tensor? C, float alpha, float beta) -> ()");
 #if defined(CPU_KERNEL)
   ops.impl("muon_momentum_", c10::DeviceType::CPU, &checked_muon_momentum<&muon_momentum_cpu>);
+  ops.impl("symmetric_gram_", c10::DeviceType::CPU, &checked_symmetric_gram<&symmetric_gram_cpu>);
 #endif
 #if defined(CUDA_KERNEL)
   ops.impl("muon_momentum_", c10::DeviceType::CUDA, &checked_muon_momentum<&muon_momentum_cuda>);
+  ops.impl("symmetric_gram_", c10::DeviceType::CUDA, &checked_symmetric_gram<&symmetric_gram_cuda>);
 #endif
 }
 

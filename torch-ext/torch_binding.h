@@ -1,9 +1,11 @@
 #pragma once
 
+#include <optional>
+
 #include <ATen/core/Tensor.h>
 
 // One implementation per backend, each defined in kernels-src/<backend>/. They receive arguments that
-// torch_binding.cpp has already validated (same device, matching shapes, supported dtypes, contiguous).
+// torch_binding.cpp has already validated (same device, matching shapes, supported dtypes, contiguous where needed).
 using MuonMomentumImpl = void (*)(at::TensorList momentum_buffers, at::TensorList grads, at::TensorList updates,
                                   const at::Tensor& finite, double beta, bool nesterov);
 
@@ -12,3 +14,13 @@ void muon_momentum_cpu(at::TensorList momentum_buffers, at::TensorList grads, at
 
 void muon_momentum_cuda(at::TensorList momentum_buffers, at::TensorList grads, at::TensorList updates,
                         const at::Tensor& finite, double beta, bool nesterov);
+
+// out = alpha * X X^T + beta * C (beta and C ignored when C is absent), out and C symmetric: X (m, k) or (B, m, k).
+using SymmetricGramImpl = void (*)(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C,
+                                   double alpha, double beta);
+
+void symmetric_gram_cpu(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C, double alpha,
+                        double beta);
+
+void symmetric_gram_cuda(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C, double alpha,
+                         double beta);

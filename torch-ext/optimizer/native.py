@@ -1,4 +1,5 @@
-"""The compiled ops of this build variant, with pure-PyTorch fallbacks of the same semantics when they are absent.
+"""The compiled ops of this build variant: `muon_momentum_`, with a pure-PyTorch fallback of the same semantics when
+it is absent, and `symmetric_gram_`, which exists only compiled (callers check has_compiled_symmetric_gram).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
 """
@@ -20,6 +21,8 @@ except ImportError:  # the plain source tree: no build, so no compiled ops
 logger = logging.getLogger(__name__)
 
 _MOMENTUM_OP = "muon_momentum_"
+_SYMMETRIC_GRAM_OP = "symmetric_gram_"
+_OPS = (_MOMENTUM_OP, _SYMMETRIC_GRAM_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -38,24 +41,60 @@ def _has_kernel_for(qualified_name: str, device_type: str) -> bool:
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, key)
 
 
+def _compiled_devices(op_name: str) -> list[str]:
+    name = _qualified_name(op_name)
+    return [] if name is None else [device for device in _DISPATCH_KEYS if _has_kernel_for(name, device)]
+
+
 @functools.cache
-def _compiled_momentum_op(device_type: str) -> torch._ops.OpOverloadPacket | None:
-    """The compiled op when it has a kernel for this device type; decided and logged once per device type."""
-    name = _qualified_name(_MOMENTUM_OP)
+def _compiled_op(op_name: str, device_type: str) -> torch._ops.OpOverloadPacket | None:
+    """The compiled op when it has a kernel for this device type; decided and logged once per op and device type."""
+    name = _qualified_name(op_name)
     if name is not None and _has_kernel_for(name, device_type):
-        logger.info("muon_momentum_ on %s: compiled op %s", device_type, name)
-        return getattr(ops, _MOMENTUM_OP)
-    logger.info("muon_momentum_ on %s: pure PyTorch fallback", device_type)
+        logger.info("%s on %s: compiled op %s", op_name, device_type, name)
+        return getattr(ops, op_name)
+    logger.info("%s on %s: no compiled op", op_name, device_type)
     return None
 
 
 def ops_summary() -> str:
-    """One line saying which path runs, e.g. 'compiled ops (cpu): _optimizer_cpu_1a2b3c4d5e'."""
-    name = _qualified_name(_MOMENTUM_OP)
-    if name is None:
+    """One line saying which path runs, e.g.
+    'compiled ops (cpu): _optimizer_cpu_1a2b3c4d5e [muon_momentum_: cpu; symmetric_gram_: cpu]'."""
+    devices_by_op = {op_name: _compiled_devices(op_name) for op_name in _OPS}
+    devices = [device for device in _DISPATCH_KEYS if any(device in found for found in devices_by_op.values())]
+    if not devices:
         return "pure PyTorch fallback: this build has no compiled ops"
-    devices = [device for device in _DISPATCH_KEYS if _has_kernel_for(name, device)]
-    return f"compiled ops ({', '.join(devices)}): {name.split('::')[0]}"
+    namespace = add_op_namespace_prefix("").split("::")[0]
+    per_op = "; ".join(f"{op_name}: {', '.join(found) or 'none'}" for op_name, found in devices_by_op.items())
+    return f"compiled ops ({', '.join(devices)}): {namespace} [{per_op}]"
+
+
+def has_compiled_symmetric_gram(device_type: str) -> bool:
+    """Whether this build has a compiled `symmetric_gram_` kernel for the device type ("cpu", "cuda", ...)."""
+    return _compiled_op(_SYMMETRIC_GRAM_OP, device_type) is not None
+
+
+def symmetric_gram_(out: Tensor, X: Tensor, C: Tensor | None = None, alpha: float = 1.0,
+                    beta: float = 0.0) -> Tensor:
+    """out <- alpha * X @ X^T + beta * C with about half the multiply-adds of a full product; returns out.
+
+    X is (m, k) or (B, m, k); out, and C if given, are (m, m) or (B, m, m) in X's dtype (float32, float64, bfloat16
+    or float16) on X's device, out contiguous and sharing no memory with X or C. C must be symmetric (not checked:
+    kernels read only some of it). Without C, beta is ignored and out's old contents are never read. Products
+    accumulate in float32 (float64 for float64), and out is exactly symmetric.
+
+    There is no fallback: raises RuntimeError when this build has no compiled kernel for X's device type (check
+    has_compiled_symmetric_gram first), and ValueError, naming the argument, for invalid arguments.
+    """
+    for name, tensor in (("out", out), ("C", C)):
+        if tensor is not None and tensor.device != X.device:  # else the dispatcher would pick the other device
+            raise ValueError(f"symmetric_gram_: {name} is on {tensor.device} but X is on {X.device}")
+    compiled = _compiled_op(_SYMMETRIC_GRAM_OP, X.device.type)
+    if compiled is None:
+        raise RuntimeError(f"symmetric_gram_: this build has no compiled kernel for device type "
+                           f"{X.device.type!r} ({ops_summary()})")
+    compiled(out, X, C, alpha, beta)
+    return out
 
 
 def muon_momentum_(momentum_buffers: list[Tensor], grads: list[Tensor], updates: list[Tensor],
@@ -70,7 +109,7 @@ def muon_momentum_(momentum_buffers: list[Tensor], grads: list[Tensor], updates:
     """
     device = _common_device(momentum_buffers, grads, updates)
     finite = torch.empty(len(grads), dtype=torch.float32, device=device)
-    compiled = _compiled_momentum_op(device.type)
+    compiled = _compiled_op(_MOMENTUM_OP, device.type)
     if compiled is not None:
         compiled(momentum_buffers, grads, updates, finite, beta, nesterov)
     else:

@@ -9,17 +9,20 @@ import torch
 from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
+from .dispatch import check_backend, resolve_backend, symmetric_gram, symmetric_polynomial
 
 # Each step costs three matrix products, and no schedule here improves past about ten steps.
 _MAX_STEPS = 100
 
 
 def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficients] = "polar_express",
-              dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> Tensor:
+              dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7, backend: str | None = None) -> Tensor:
     """Approximate U V^T for a matrix (m, n) or for each matrix of a batch (B, m, n), computed in `dtype`.
 
     `coefficients` is a preset name ("original", "quintic", "polar_express") or a sequence of (a, b, c)
-    triples, one per step (the last repeats). The result has G's shape and dtype.
+    triples, one per step (the last repeats). `backend` ("torch", "cpu", "cuda", "triton") forces the kernel for
+    the symmetric products; None lets `kernel_choice` pick by device, dtype and shape. The result has G's shape
+    and dtype.
     """
     _check_matrix(G)
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _MAX_STEPS:
@@ -29,26 +32,31 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
         raise ValueError(f"Invalid dtype: {dtype!r} (expected a floating torch.dtype)")
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
         raise ValueError(f"Invalid eps: {eps!r} (expected a finite number > 0)")
+    if backend is not None:
+        check_backend(backend, dtype, G.device)
     schedule = resolve_coefficients(coefficients, steps)
-    return newton_schulz(G.to(dtype), schedule, eps).to(G.dtype)
+    return newton_schulz(G.to(dtype), schedule, eps, backend).to(G.dtype)
 
 
-def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
+def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float,
+                  backend: str | None = None) -> Tensor:
     """The iteration itself, in G's dtype, for validated inputs: G is (m, n) or (B, m, n), one step per triple.
 
     Works on the wide orientation (the Gram matrix is min(m, n) squared) and scales each matrix by its
     Frobenius norm, an upper bound on its spectral norm, so every singular value starts in [0, 1]. For a 2D G
-    the operations and their order are those of torch.optim.Muon, so results match it bit for bit.
+    the operations and their order are those of torch.optim.Muon, so with the "torch" backend results match it
+    bit for bit. The symmetric products go through `backend` (None: chosen per device, dtype and shape).
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
     # Clamped, not offset: a zero matrix stays exactly zero. The full reduction for 2D is torch.optim.Muon's.
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
     X = X / norm.clamp(min=eps)
+    backend = resolve_backend(X, backend)
     add_matmul = torch.addmm if X.ndim == 2 else torch.baddbmm
     for a, b, c in coefficients:
-        gram = X @ X.mT
-        polynomial = add_matmul(gram, gram, gram, beta=b, alpha=c)  # b*A + c*A@A
+        gram = symmetric_gram(X, backend)
+        polynomial = symmetric_polynomial(gram, b, c, backend)  # b*A + c*A@A
         X = add_matmul(X, polynomial, X, beta=a)  # a*X + (b*A + c*A@A) @ X
     return X.mT if tall else X
 

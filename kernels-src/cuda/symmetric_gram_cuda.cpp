@@ -1,0 +1,55 @@
+// The CUDA side of symmetric_gram_: device guard, stream, dtype and layout mapping around the launcher in
+// symmetric_gram.cu. torch_binding.cpp has already checked what every backend shares (shapes, devices, dtypes, out
+// contiguous and apart from X and C); what is left here is what the CUDA kernels add.
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "symmetric_gram_launch.h"
+
+namespace {
+
+muon_cuda::GramDType gram_dtype(c10::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+      return muon_cuda::GramDType::kFloat32;
+    case at::kDouble:
+      return muon_cuda::GramDType::kFloat64;
+    case at::kBFloat16:
+      return muon_cuda::GramDType::kBFloat16;
+    case at::kHalf:
+      return muon_cuda::GramDType::kFloat16;
+    default:
+      TORCH_CHECK_VALUE(false, "symmetric_gram_: X has dtype ", dtype,
+                        " (expected float32, float64, bfloat16 or float16)");
+  }
+}
+
+// The kernels read each row as a run of adjacent elements (16-byte copies on the tensor-core path); batch and row
+// strides are free. A view whose rows are not runs, such as a transpose, is copied once into that layout.
+at::Tensor with_unit_row_stride(const at::Tensor& tensor) {
+  return tensor.size(-1) <= 1 || tensor.stride(-1) == 1 ? tensor : tensor.contiguous();
+}
+
+muon_cuda::MatrixLayout layout_of(const at::Tensor& tensor) {
+  return {tensor.dim() == 3 ? tensor.stride(0) : 0, tensor.stride(-2)};
+}
+
+}  // namespace
+
+void symmetric_gram_cuda(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C, double alpha,
+                         double beta) {
+  const muon_cuda::GramDType dtype = gram_dtype(X.scalar_type());
+  const c10::cuda::CUDAGuard device_guard(X.device());
+  const at::Tensor x = with_unit_row_stride(X);
+  const std::optional<at::Tensor> c = C.has_value() ? std::optional(with_unit_row_stride(*C)) : std::nullopt;
+  const int64_t batch = x.dim() == 3 ? x.size(0) : 1;
+  muon_cuda::launch_symmetric_gram(out.mutable_data_ptr(), layout_of(out), x.const_data_ptr(), layout_of(x),
+                                   c.has_value() ? c->const_data_ptr() : nullptr,
+                                   c.has_value() ? layout_of(*c) : muon_cuda::MatrixLayout{0, 0}, dtype, batch,
+                                   x.size(-2), x.size(-1), alpha, beta, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}

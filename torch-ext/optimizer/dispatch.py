@@ -1,0 +1,117 @@
+"""Which kernel computes Newton-Schulz's symmetric products for a given device, dtype and shape.
+
+Two products are symmetric in every step: the Gram matrix `A = X Xᵀ` and the polynomial `b·A + c·A²` (for symmetric A,
+`A² = A Aᵀ`). Each backend computes them:
+  "torch":  plain `X @ X.mT` and `addmm`/`baddbmm` (cuBLAS / the CPU BLAS), full products;
+  "cpu":    the compiled CPU op `symmetric_gram_` (lower tiles only, each a BLAS GEMM, then mirrored);
+  "cuda":   the compiled CUDA op `symmetric_gram_` (tensor-core tiles on and below the diagonal, mirrored);
+  "triton": the Triton kernels (lower tiles only, mirrored).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from . import native
+from .triton_kernels import TRITON_AVAILABLE, ba_plus_caa, xxt
+
+BACKENDS: tuple[str, ...] = ("torch", "cpu", "cuda", "triton")
+
+# Below these sizes of the Gram matrix (rows of the wide-oriented X), the full BLAS product wins: a symmetric kernel
+# saves half the multiply-adds, but small tiles run below the BLAS's peak. Measured with `make bench` (README).
+CPU_MIN_ROWS = 512
+# Not yet measured on a GPU (no GPU run so far): published symmetric kernels (flash-muon, modded-nanogpt) beat cuBLAS
+# from a few thousand rows; until measured, only the largest products leave cuBLAS.
+CUDA_MIN_ROWS = 4096
+
+_COMPILED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _unavailable_reason(backend: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `backend` cannot compute a product of this dtype on this device here, or None when it can."""
+    if backend == "torch":
+        return None
+    if backend in ("cpu", "cuda"):
+        if device.type != backend:
+            return f"it runs on {backend} tensors and this one is on {device}"
+        if not native.has_compiled_symmetric_gram(backend):
+            return f"this build has no compiled {backend} kernel ({native.ops_summary()})"
+        if dtype not in _COMPILED_DTYPES:
+            return f"it does not support {dtype}"
+        return None
+    if backend == "triton":
+        if not TRITON_AVAILABLE:
+            return "Triton is not installed"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"Triton kernels need a GPU tensor and this one is on {device}"
+        if dtype not in _TRITON_DTYPES:
+            return f"it does not support {dtype}"
+        return None
+    return f"it is not one of {', '.join(BACKENDS)}"
+
+
+def check_backend(backend: str, dtype: torch.dtype, device: torch.device) -> None:
+    reason = _unavailable_reason(backend, dtype, device)
+    if reason is not None:
+        raise RuntimeError(f"backend={backend!r} cannot run here: {reason}")
+
+
+def kernel_choice(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str) -> str:
+    """The backend `gram` and `zeropower` use for a matrix (or batch of matrices) of `shape` when none is given."""
+    device = torch.device(device)
+    rows = min(shape[-2:])
+    if device.type == "cpu" and rows >= CPU_MIN_ROWS and _unavailable_reason("cpu", dtype, device) is None:
+        return "cpu"
+    if device.type == "cuda" and rows >= CUDA_MIN_ROWS:
+        for backend in ("triton", "cuda"):
+            if dtype in (torch.bfloat16, torch.float16) and _unavailable_reason(backend, dtype, device) is None:
+                return backend
+    return "torch"
+
+
+def resolve_backend(X: Tensor, backend: str | None) -> str:
+    """`backend` checked against X, or the automatic choice for X's wide orientation."""
+    if backend is None:
+        return kernel_choice(tuple(X.shape), X.dtype, X.device)
+    check_backend(backend, X.dtype, X.device)
+    return backend
+
+
+def symmetric_gram(X: Tensor, backend: str) -> Tensor:
+    """X @ X.mT for X (m, k) or (B, m, k) with a resolved backend."""
+    if backend == "torch":
+        return X @ X.mT
+    if backend == "triton":
+        return xxt(X)
+    out = torch.empty((*X.shape[:-1], X.shape[-2]), dtype=X.dtype, device=X.device)
+    return native.symmetric_gram_(out, X)
+
+
+def symmetric_polynomial(A: Tensor, b: float, c: float, backend: str) -> Tensor:
+    """b*A + c*A@A for symmetric A (m, m) or (B, m, m) with a resolved backend."""
+    if backend == "torch":
+        add_matmul = torch.addmm if A.ndim == 2 else torch.baddbmm
+        return add_matmul(A, A, A, beta=b, alpha=c)
+    if backend == "triton":
+        return ba_plus_caa(A, b, c)
+    return native.symmetric_gram_(torch.empty_like(A, memory_format=torch.contiguous_format), A, A, c, b)
+
+
+def gram(X: Tensor, backend: str | None = None) -> Tensor:
+    """`X @ X.mT` for a matrix (m, k) or a batch (B, m, k) through the fastest available path.
+
+    `backend` ("torch", "cpu", "cuda", "triton") forces a path; one that cannot run here raises a RuntimeError that
+    names it. `kernel_choice(X.shape, X.dtype, X.device)` says which path None picks.
+    """
+    if not isinstance(X, Tensor) or X.ndim not in (2, 3):
+        raise ValueError(f"Invalid X: expected a matrix (m, k) or a batch (B, m, k), got "
+                         f"{tuple(X.shape) if isinstance(X, Tensor) else type(X).__name__}")
+    if backend is None:
+        backend = kernel_choice((*X.shape[:-1], X.shape[-2]), X.dtype, X.device)
+    else:
+        check_backend(backend, X.dtype, X.device)
+    return symmetric_gram(X, backend)
