@@ -21,7 +21,9 @@ demo: build
 test: build
 	$(PY) -m pytest -q tests
 
+# muon-fsdp2 is a peer measured beside us in the dist rows; --no-deps keeps the pinned torch.
 bench: build
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps muon-fsdp2==0.3.0
 	$(PY) benchmarks/bench.py
 
 clean:

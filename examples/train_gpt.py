@@ -6,12 +6,15 @@ batches in the same order, so the loss curves differ only by the optimizer.
 
     python examples/train_gpt.py                 # defaults: about 2 minutes on 2 CPU cores
     python examples/train_gpt.py --steps 2000 --device cuda
+    torchrun --standalone --nproc-per-node=4 examples/train_gpt.py --fsdp   # FSDP2 over 4 processes (gloo on CPUs,
+                                                                            # NCCL on GPUs); rank 0 reports
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +26,11 @@ import matplotlib
 matplotlib.use("Agg")  # no display on servers and CI; must precede the pyplot import
 import matplotlib.pyplot as plt
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from kernels import get_local_kernel
 from tqdm import tqdm
 
@@ -155,6 +161,68 @@ class GPT(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Processes: one, or torchrun's ranks with the model sharded by FSDP2.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run. Under FSDP2 every rank trains on its slice of each batch; FSDP2 averages
+    the gradients, so the run follows the same trajectory as one process on the whole batch."""
+
+    rank: int = 0
+    world: int = 1
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
+
+    def my_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        per_rank = len(rows) // self.world
+        return rows[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean over ranks (the whole batch's loss), on every rank."""
+        if self.world > 1:
+            value = value.detach().clone()
+            dist.all_reduce(value)  # SUM: gloo has no AVG
+            value /= self.world
+        return value.item()
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """FSDP2: each block is one unit (its parameters are gathered for its forward and backward only), and the
+        root takes the embeddings, the final norm and the head."""
+        if self.mesh is not None:
+            for block in model.blocks:
+                fully_shard(block, mesh=self.mesh)
+            fully_shard(model, mesh=self.mesh)
+        return model
+
+
+def start_ranks(args: argparse.Namespace) -> tuple[Ranks, torch.device]:
+    if not args.fsdp:
+        return Ranks(), resolve_device(args.device)
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("--fsdp runs under torchrun: torchrun --standalone --nproc-per-node=N "
+                         "examples/train_gpt.py --fsdp")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    ranks = Ranks(dist.get_rank(), dist.get_world_size(), init_device_mesh(device.type, (dist.get_world_size(),)))
+    if args.batch_size % ranks.world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {ranks.world} ranks")
+    return ranks, device
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Training: one function runs either optimizer on identical data.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -214,6 +282,7 @@ def train(
     batches: Batches,
     args: argparse.Namespace,
     device: torch.device,
+    ranks: Ranks,
 ) -> RunHistory:
     history = RunHistory(name)
     optimizer = make_optimizer(model)
@@ -227,20 +296,21 @@ def train(
         history.checkpoints.append(step)
         history.train_losses.append(train_loss)
         history.val_losses.append(val_loss)
-        tqdm.write(f"[{name:>5}] step {step:>5}/{args.steps}  train loss {train_loss:.4f}  "
-                   f"held-out loss {val_loss:.4f}")
+        if ranks.is_main:
+            tqdm.write(f"[{name:>5}] step {step:>5}/{args.steps}  train loss {train_loss:.4f}  "
+                       f"held-out loss {val_loss:.4f}")
 
     started = time.perf_counter()
     record_checkpoint(0)
-    progress = tqdm(range(args.steps), desc=name, unit="step", dynamic_ncols=True)
+    progress = tqdm(range(args.steps), desc=name, unit="step", dynamic_ncols=True, disable=not ranks.is_main)
     for step in progress:
-        inputs, targets = windows_to_batch(corpus.train, batches.train_starts[step], args.block_size)
+        inputs, targets = windows_to_batch(corpus.train, ranks.my_rows(batches.train_starts[step]), args.block_size)
         loss = model(inputs.to(device), targets.to(device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
-        history.step_losses.append(loss.item())
+        history.step_losses.append(ranks.mean(loss.detach()))
         progress.set_postfix(loss=f"{history.step_losses[-1]:.3f}")
         if step + 1 in checkpoints:
             record_checkpoint(step + 1)
@@ -350,6 +420,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--evals", type=int, default=6, help="loss measurements per run, after step 0")
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--val-fraction", type=float, default=0.1)
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 over torchrun's processes")
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "evals", "eval_batches"):
         if getattr(args, name) < 1:
@@ -370,9 +441,17 @@ def resolve_device(requested: str) -> torch.device:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    ranks, device = start_ranks(args)
+    try:
+        run(args, ranks, device)
+    finally:
+        if ranks.mesh is not None:
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> None:
     optimizer_package = get_local_kernel(REPO_ROOT)
-    print(describe_package(optimizer_package))
+    ranks.say(describe_package(optimizer_package))
 
     corpus = load_corpus(args.text, args.val_fraction)
     config = GPTConfig(corpus.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
@@ -380,8 +459,9 @@ def main(argv: list[str] | None = None) -> None:
     initial_model = GPT(config).to(device)
     batches = draw_batches(corpus, args)
     n_params = sum(p.numel() for p in initial_model.parameters())
-    print(
-        f"device {device}; text {args.text.name}: {len(corpus.train):,} training and {len(corpus.val):,} held-out "
+    where = f"{device}, FSDP2 over {ranks.world} ranks" if ranks.mesh else f"{device}"
+    ranks.say(
+        f"device {where}; text {args.text.name}: {len(corpus.train):,} training and {len(corpus.val):,} held-out "
         f"characters, vocabulary {corpus.vocab_size}; model {n_params:,} parameters; "
         f"{args.steps} steps of {args.batch_size}x{args.block_size} characters per run"
     )
@@ -389,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     def make_muon(model: GPT) -> torch.optim.Optimizer:
         groups = optimizer_package.muon_param_groups(model)
         muon = optimizer_package.Muon(groups, lr=args.muon_lr, weight_decay=args.weight_decay)
-        print(describe_routing(muon))
+        ranks.say(describe_routing(muon))
         return muon
 
     def make_adamw(model: GPT) -> torch.optim.Optimizer:
@@ -397,12 +477,14 @@ def main(argv: list[str] | None = None) -> None:
         return torch.optim.AdamW(groups, lr=args.adamw_lr, betas=(0.9, 0.95), eps=1e-8)
 
     histories = [
-        train(name, copy.deepcopy(initial_model), make, corpus, batches, args, device)
+        train(name, ranks.shard(copy.deepcopy(initial_model)), make, corpus, batches, args, device, ranks)
         for name, make in (("muon", make_muon), ("adamw", make_adamw))
     ]
+    if not ranks.is_main:
+        return
     print_summary(histories)
     plot_path = args.out / "loss_curves.png"
-    plot_histories(histories, plot_path, f"char-level GPT on {args.text.stem}, {n_params:,} parameters, {device}")
+    plot_histories(histories, plot_path, f"char-level GPT on {args.text.stem}, {n_params:,} parameters, {where}")
     print(f"loss curves written to {plot_path}")
 
 

@@ -1,9 +1,14 @@
 """Muon for PyTorch: Newton-Schulz orthogonalized momentum for matrices, AdamW for the rest."""
 
 from .coefficients import polar_express_coefficients
+from .dispatch import gram, kernel_choice
 from .muon import Muon
 from .native import ops_summary
 from .newton_schulz import zeropower
+from .qk_clip import QKClipLayer, qk_clip_
 from .routing import muon_param_groups
 
-__all__ = ["Muon", "muon_param_groups", "ops_summary", "polar_express_coefficients", "zeropower"]
+__all__ = [
+    "Muon", "QKClipLayer", "gram", "kernel_choice", "muon_param_groups", "ops_summary", "polar_express_coefficients",
+    "qk_clip_", "zeropower",
+]

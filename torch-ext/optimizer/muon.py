@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from itertools import chain
 from typing import Any
 
@@ -15,6 +15,7 @@ from .coefficients import Coefficients, resolve_coefficients
 from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, muon_update
 from .newton_schulz import default_ns_dtype
+from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
 
 # State keys that must keep their own dtype and device through load_state_dict (torch casts other floating state to
@@ -104,6 +105,10 @@ class Muon(Optimizer):
         process_group: for plain (not DTensor) parameters replicated over this group, as under DDP, each rank
             orthogonalizes about 1/world of the matrices and the results are shared; None keeps plain tensors
             single-device. Not a per-group option. DTensor parameters always use their own device mesh.
+        qk_clip: QK-clip (MuonClip, Kimi K2) layers, a mapping from a layer key of your choice (an index, a name)
+            to a :class:`QKClipLayer` (query and key weights, or their parameter names, and the head layout).
+            `step(qk_logits={key: max_logits})` then clips those layers after the update. Not a per-group option.
+        qk_clip_threshold: the largest attention logit a head may keep (Kimi's tau, 100 by default).
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
@@ -113,7 +118,9 @@ class Muon(Optimizer):
                  conv_mode: str = "flatten", adamw_lr: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
-                 chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None) -> None:
+                 chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
+                 qk_clip: Mapping[Hashable, QKClipLayer] | None = None,
+                 qk_clip_threshold: float = DEFAULT_THRESHOLD) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
                         conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
@@ -122,7 +129,11 @@ class Muon(Optimizer):
         _validate_group(defaults)
         # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         self.process_group = process_group
+        check_threshold(qk_clip_threshold)
+        self.qk_clip_threshold = qk_clip_threshold
         super().__init__(params, defaults)
+        # Attributes too: they hold parameters, and names resolve only once the groups (and their names) exist.
+        self.qk_clip = resolve_layers(qk_clip or {}, self._named_params())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         candidate = {**self.defaults, **param_group}
@@ -137,6 +148,10 @@ class Muon(Optimizer):
             except ValueError:
                 self.param_groups.pop()  # a rejected group leaves the optimizer as it was
                 raise
+
+    def _named_params(self) -> dict[str, Tensor]:
+        return {name: param for group in self.param_groups
+                for name, param in zip(group.get("param_names") or (), group["params"])}
 
     def _uses_muon(self, group: dict[str, Any], param: Tensor) -> bool:
         if group["use_muon"] is not None:
@@ -206,8 +221,19 @@ class Muon(Optimizer):
                      weight_decay=group["weight_decay"] if weight_decay is None else weight_decay)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One optimization step. `closure` re-evaluates the model and returns the loss."""
+    def step(self, closure: Callable[[], float] | None = None,
+             qk_logits: Mapping[Hashable, Tensor] | None = None) -> float | None:  # type: ignore[override]
+        """One optimization step. `closure` re-evaluates the model and returns the loss.
+
+        `qk_logits` (with `qk_clip` configured): layer key -> the largest attention logit of each query head seen in
+        this step's forward pass, shape (num_heads,), as compared with the threshold (Kimi includes the softmax
+        scale 1/sqrt(head_dim)). After the update, heads above `qk_clip_threshold` get their query and key rows
+        scaled down so their logits would fall to it; see `qk_clip.py`. Under data parallelism the logits are
+        reduced with MAX over the ranks first, so every rank must pass the same keys.
+        """
+        if qk_logits and not self.qk_clip:
+            raise ValueError(f"Invalid qk_logits: {list(qk_logits)!r} given, but no qk_clip layers are configured")
+        check_qk_logits(self.qk_clip, qk_logits or {})  # before any update: bad input changes nothing
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -216,6 +242,8 @@ class Muon(Optimizer):
         for group, (muon_items, adamw_items) in zip(self.param_groups, gathered):
             self._muon_step(group, muon_items)
             self._adamw_step(group, adamw_items)
+        if qk_logits:
+            qk_clip_(self.qk_clip, qk_logits, self.qk_clip_threshold, self.process_group)
         return loss
 
     def nonfinite_skips(self) -> int:

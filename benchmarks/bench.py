@@ -1,0 +1,397 @@
+"""`make bench`: our kernels and optimizer against their baselines, measured side by side in one run.
+
+Every row is a median over repeated runs; the ratio is baseline time / our time (above 1: we are faster), measured in
+the same run, so machine load affects both alike. FLOP counts are those of the full (non-symmetric) products, so the
+GFLOP/s column is "effective": a symmetric kernel can exceed the machine's measured matmul peak, printed in the header.
+Writes the table to stdout and to benchmarks/results/<device>-<date>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import socket
+import tempfile
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from kernels import get_local_kernel
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+# GPT-2 small: per block the attention (in, 3 * in) and output projections and the MLP, stored (out, in).
+GPT2_SMALL_BLOCK = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
+GPT2_SMALL_VECTORS = [2304, 768, 3072, 768, 768, 768, 768, 768]  # biases and LayerNorm weights/biases per block
+GPT2_BLOCKS = 12
+DIST_WORLD = 4
+DIST_TIMEOUT_S = 600  # past this the dist workers are killed and the section reports that
+
+
+@dataclass
+class Row:
+    section: str
+    case: str
+    path: str
+    ms: float
+    flop: float
+    baseline_ms: float
+
+    def cells(self) -> list[str]:
+        ratio = self.baseline_ms / self.ms
+        gflops = self.flop / (self.ms * 1e-3) / 1e9 if self.flop else float("nan")
+        return [self.section, self.case, self.path, f"{self.ms:.2f}", f"{self.flop / 1e9:.1f}", f"{gflops:.0f}",
+                f"{ratio:.2f}x"]
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of fn in ms: `triton.testing.do_bench` on GPUs, perf_counter around each call on CPUs."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()  # warm-up: allocator, BLAS thread pool, lazy optimizer state
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def gram_flop(m: int, k: int) -> float:
+    return 2.0 * m * m * k
+
+
+def newton_schulz_flop(m: int, n: int, steps: int) -> float:
+    small, large = sorted((m, n))
+    return steps * (4.0 * small * small * large + 2.0 * small ** 3)
+
+
+def peak_gflops(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    """The machine's measured matmul rate: torch.mm on a square size big enough to saturate it."""
+    size = 2048 if device.type == "cpu" else 8192
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    return gram_flop(size, size) / (median_ms(lambda: torch.mm(a, b), device, repeats) * 1e-3) / 1e9
+
+
+def bench_gram(optimizer, device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]],
+               repeats: int) -> list[Row]:
+    rows = []
+    for m, k in shapes:
+        X = torch.randn(m, k, device=device, dtype=dtype)
+        baseline = median_ms(lambda: torch.mm(X, X.T), device, repeats)
+        case = f"{m}x{k} {str(dtype).removeprefix('torch.')}"
+        rows.append(Row("gram", case, "torch.mm(X, X.T)", baseline, gram_flop(m, k), baseline))
+        backends = [b for b in ("cpu", "cuda", "triton") if _runs(optimizer, X, b)]
+        for backend in backends:
+            ms = median_ms(lambda: optimizer.gram(X, backend=backend), device, repeats)
+            rows.append(Row("gram", case, f"gram backend={backend}", ms, gram_flop(m, k), baseline))
+        chosen = optimizer.kernel_choice((m, m), dtype, device)
+        ms = median_ms(lambda: optimizer.gram(X), device, repeats)
+        rows.append(Row("gram", case, f"gram auto ({chosen})", ms, gram_flop(m, k), baseline))
+    return rows
+
+
+def _runs(optimizer, X: torch.Tensor, backend: str) -> bool:
+    try:
+        optimizer.gram(X[:2, :2].contiguous(), backend=backend)
+    except RuntimeError:
+        return False
+    return True
+
+
+def bench_zeropower(optimizer, device: torch.device, ns_dtype: torch.dtype, shapes: list[tuple[int, int]],
+                    repeats: int, compiled_reference: bool) -> list[Row]:
+    """Five Newton-Schulz steps: ours (Polar Express, ns_dtype) vs torch.optim.Muon's routine (bf16, always)."""
+    rows = []
+    coefficients = (3.4445, -4.7750, 2.0315)
+    reference = _zeropower_via_newtonschulz
+    if compiled_reference:
+        reference = torch.compile(_zeropower_via_newtonschulz)
+    for m, n in shapes:
+        G = torch.randn(m, n, device=device)
+        flop = newton_schulz_flop(m, n, 5)
+        name = "torch.compile(torch.optim.Muon NS)" if compiled_reference else "torch.optim.Muon NS (bf16)"
+        baseline = median_ms(lambda: reference(G, coefficients, 5, 1e-7), device, repeats)
+        case = f"{m}x{n} 5 steps"
+        rows.append(Row("zeropower", case, name, baseline, flop, baseline))
+        for backend in ("torch", None):
+            label = f"zeropower {str(ns_dtype).removeprefix('torch.')} " + (
+                "backend=torch" if backend else f"auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})")
+            ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, backend=backend), device, repeats)
+            rows.append(Row("zeropower", case, label, ms, flop, baseline))
+    return rows
+
+
+def _gpt2_small_params(device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def leaf(shape) -> torch.Tensor:
+        tensor = (torch.randn(shape, generator=generator) * 0.02).to(device).requires_grad_()
+        tensor.grad = torch.randn(shape, generator=generator).to(device)
+        return tensor
+
+    matrices = [leaf(shape) for _ in range(GPT2_BLOCKS) for shape in GPT2_SMALL_BLOCK]
+    vectors = [leaf((size,)) for _ in range(GPT2_BLOCKS) for size in GPT2_SMALL_VECTORS]
+    return matrices, vectors
+
+
+def bench_step(optimizer, device: torch.device, repeats: int) -> list[Row]:
+    """One optimizer step on GPT-2 small's hidden matrices (48) and vectors: ours vs torch.optim.Muon + AdamW."""
+    matrices, vectors = _gpt2_small_params(device)
+    flop = sum(newton_schulz_flop(*shape, 5) for shape in GPT2_SMALL_BLOCK) * GPT2_BLOCKS
+    theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
+              torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95))]
+    baseline = median_ms(lambda: [opt.step() for opt in theirs], device, repeats)
+    case = f"GPT-2 small, {len(matrices)} matrices + {len(vectors)} vectors"
+    rows = [Row("Muon.step", case, "torch.optim.Muon + AdamW", baseline, flop, baseline)]
+    ours = optimizer.Muon(matrices + vectors, lr=0.02)
+    ms = median_ms(ours.step, device, repeats)
+    rows.append(Row("Muon.step", case, "optimizer.Muon (ns_dtype auto)", ms, flop, baseline))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dist: one Muon step on FSDP2-style Shard(0) DTensors over DIST_WORLD gloo ranks, three ways side by side.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _dist_matrices(blocks: int, mesh) -> list[torch.Tensor]:
+    """The GPT-2 small block matrices as Shard(0) DTensors with Shard(0) gradients, identical on every rank."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    generator = torch.Generator().manual_seed(0)
+    params = []
+    for shape in GPT2_SMALL_BLOCK * blocks:
+        param = distribute_tensor(torch.randn(shape, generator=generator) * 0.02, mesh, [Shard(0)])
+        param.requires_grad_()
+        param.grad = distribute_tensor(torch.randn(shape, generator=generator), mesh, [Shard(0)])
+        params.append(param)
+    return params
+
+
+class _NaiveGatherAll:
+    """The baseline: every rank gathers every full gradient (`full_tensor()`, an all-gather), keeps full momentum,
+    orthogonalizes every matrix with the same Newton-Schulz routine as ours, and updates its own rows."""
+
+    def __init__(self, optimizer, params: list[torch.Tensor]) -> None:
+        self.optimizer, self.params = optimizer, params
+        self.buffers = [torch.zeros(p.shape) for p in params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for param, buffer in zip(self.params, self.buffers):
+            grad = param.grad.full_tensor()
+            buffer.lerp_(grad, 0.05)
+            update = self.optimizer.zeropower(grad.lerp_(buffer, 0.95), 5, dtype=torch.float32)
+            local = param.to_local()
+            rows = local.shape[0]
+            start = dist.get_rank() * rows  # even shards: GPT-2's dims divide by 4
+            scale = 0.02 * 0.2 * max(param.shape) ** 0.5
+            local.mul_(1 - 0.02 * 0.1).add_(update[start:start + rows], alpha=-scale)
+
+
+def _timed_step_ms(step: Callable[[], object], repeats: int, warm_up: bool = True) -> float:
+    """Median wall time of a step over all ranks: barriers on both sides, so the slowest rank sets it."""
+    if warm_up:  # lazy optimizer state, compilation
+        step()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _bytes_sent(step: Callable[[], object]) -> int:
+    """Bytes this rank sends to other ranks in one step of our pipeline, counted at its all-to-all calls."""
+    original = dist.all_to_all_single
+    sent = 0
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        nonlocal sent
+        own = input_split_sizes[dist.get_rank(group)] if input_split_sizes else 0
+        sent += (input.numel() - own) * input.element_size()
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counting
+    try:
+        step()
+    finally:
+        dist.all_to_all_single = original
+    return sent
+
+
+def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The ranks share the machine's cores: one rank per core share, as torchrun's OMP_NUM_THREADS=1 would do.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        optimizer = get_local_kernel(REPO_ROOT / "build")
+        mesh = init_device_mesh("cpu", (world,))
+        result: dict[str, object] = {}
+        ours = optimizer.Muon(_dist_matrices(blocks, mesh), lr=0.02, ns_dtype=torch.float32)
+        result["ours_ms"] = _timed_step_ms(ours.step, repeats)
+        sent = torch.tensor([float(_bytes_sent(ours.step))])
+        gathered = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(gathered, sent)
+        result["ours_bytes"] = [float(t) for t in gathered]
+        naive = _NaiveGatherAll(optimizer, _dist_matrices(blocks, mesh))
+        result["naive_ms"] = _timed_step_ms(naive.step, repeats, warm_up=False)  # no lazy state; the slowest row
+        result["muon_fsdp2"] = _muon_fsdp2_ms(blocks, mesh, repeats)
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _muon_fsdp2_ms(blocks: int, mesh, repeats: int) -> float | str:
+    """The PyPI package muon-fsdp2 on the same DTensors, or why it could not run (every rank decides alike)."""
+    try:
+        from muon_fsdp2 import Muon as MuonFsdp2
+    except ImportError as error:
+        return f"not installed ({error}); `pip install muon-fsdp2` to include it"
+    theirs = MuonFsdp2([dict(params=_dist_matrices(blocks, mesh), use_muon=True, lr=0.02, weight_decay=0.1)])
+    try:
+        return _timed_step_ms(theirs.step, repeats)
+    except Exception as error:  # reported in the table's notes instead of failing the other sections
+        return f"failed on CPU/gloo: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _owner_flop_balance(optimizer, blocks: int) -> float:
+    """max/mean Newton-Schulz FLOP over ranks, for the owners our pipeline assigns (decided from shapes alone)."""
+    assignment = importlib.import_module(f"{optimizer.__name__}.distributed.assignment")
+    routing = importlib.import_module(f"{optimizer.__name__}.routing")
+    shapes = GPT2_SMALL_BLOCK * blocks
+    owners = assignment.assign_owners(
+        [assignment.newton_schulz_cost(routing.matrix_view(torch.Size(shape))) for shape in shapes], DIST_WORLD)
+    loads = [0.0] * DIST_WORLD
+    for shape, owner in zip(shapes, owners):
+        loads[owner] += newton_schulz_flop(*shape, 5)
+    return max(loads) / (sum(loads) / DIST_WORLD)
+
+
+def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[str]]:
+    """Rows for our distributed step, the gather-everything baseline and muon-fsdp2, plus notes on bytes and
+    balance. CPU and gloo only: the ranks are processes on this machine."""
+    with tempfile.TemporaryDirectory() as folder:
+        result_path = Path(folder) / "dist.json"
+        context = mp.start_processes(_dist_worker, args=(DIST_WORLD, _free_port(), blocks, repeats, str(result_path)),
+                                     nprocs=DIST_WORLD, join=False, start_method="spawn")
+        deadline = time.monotonic() + DIST_TIMEOUT_S
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    process.kill()
+                return [], [f"dist: killed after {DIST_TIMEOUT_S} s"]
+        result = json.loads(result_path.read_text())
+    shapes = GPT2_SMALL_BLOCK * blocks
+    flop = sum(newton_schulz_flop(*shape, 5) for shape in shapes)
+    case = f"GPT-2 small {blocks} blocks ({len(shapes)} matrices), {DIST_WORLD} gloo ranks, Shard(0)"
+    naive = result["naive_ms"]
+    rows = [Row("dist", case, "every rank full_tensor() + NS of all", naive, flop, naive),
+            Row("dist", case, "optimizer.Muon (all-to-all pipeline)", result["ours_ms"], flop, naive)]
+    notes = []
+    if isinstance(result["muon_fsdp2"], float):
+        rows.append(Row("dist", case, "muon-fsdp2 0.3 (bf16 NS, compiled)", result["muon_fsdp2"], flop, naive))
+    else:
+        notes.append(f"dist: muon-fsdp2 skipped: {result['muon_fsdp2']}")
+    numel = sum(rows_ * cols for rows_, cols in shapes)
+    # Each non-owner shard travels once to its owner and its update once back: 2 (W-1)/W of every matrix in all,
+    # in bf16 (comm_dtype's default), spread over W ranks.
+    minimum = 2 * (DIST_WORLD - 1) / DIST_WORLD * numel * 2 / DIST_WORLD
+    sent = result["ours_bytes"]
+    naive_bytes = (DIST_WORLD - 1) / DIST_WORLD * numel * 4  # a ring all-gather of fp32 gradients
+    notes += [
+        f"dist: bytes sent per rank per step: ours mean {statistics.mean(sent) / 1e6:.2f} MB, max "
+        f"{max(sent) / 1e6:.2f} MB; minimum (each shard once each way, bf16) {minimum / 1e6:.2f} MB per rank "
+        f"(ours/min: mean {statistics.mean(sent) / minimum:.2f}x, max {max(sent) / minimum:.2f}x); the naive "
+        f"baseline's ring all-gather of fp32 gradients sends {naive_bytes / 1e6:.2f} MB per rank",
+        f"dist: owner Newton-Schulz FLOP balance (max/mean over ranks): {_owner_flop_balance(optimizer, blocks):.3f}",
+        f"dist: step time ours/naive {result['ours_ms'] / naive:.2f}x (ratio column: naive/ours)",
+    ]
+    return rows, notes
+
+
+def render(rows: list[Row], header: list[str], notes: list[str] = ()) -> str:
+    columns = ["section", "case", "path", "median ms", "GFLOP", "GFLOP/s", "vs baseline"]
+    lines = [*header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    if notes:
+        lines += ["", *(f"- {note}" for note in notes)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row on CPU (GPU: do_bench's own)")
+    parser.add_argument("--sections", default="gram,zeropower,step,dist", help="comma-separated subset to run")
+    parser.add_argument("--dist-blocks", type=int, default=2, help="GPT-2 small blocks in the dist section")
+    parser.add_argument("--no-save", action="store_true", help="print only; do not write benchmarks/results/")
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+
+    optimizer = get_local_kernel(REPO_ROOT / "build")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name()
+        dtype, gram_shapes = torch.bfloat16, [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (1024, 4096)]
+        ns_shapes = [(768, 3072), (4096, 4096), (8192, 8192)]
+    else:
+        device_name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+        dtype, gram_shapes = torch.float32, [(512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 4096)]
+        ns_shapes = [(768, 768), (768, 3072), (2048, 2048)]
+    peak = peak_gflops(device, dtype, args.repeats)
+    today = datetime.date.today().isoformat()
+    header = [f"# Benchmarks: {device_name}, {today}", "",
+              f"torch {torch.__version__}; {optimizer.ops_summary()}",
+              f"Measured matmul peak (torch.mm, {str(dtype).removeprefix('torch.')}): {peak:.0f} GFLOP/s. "
+              "GFLOP counts are of full products; ratios are baseline / ours, measured side by side in this run."]
+    rows: list[Row] = []
+    if "gram" in sections:
+        rows += bench_gram(optimizer, device, dtype, gram_shapes, args.repeats)
+    if "zeropower" in sections:
+        ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        rows += bench_zeropower(optimizer, device, ns_dtype, ns_shapes, args.repeats, compiled_reference=False)
+        if device.type == "cuda":
+            rows += bench_zeropower(optimizer, device, ns_dtype, ns_shapes, args.repeats, compiled_reference=True)
+    if "step" in sections:
+        rows += bench_step(optimizer, device, max(3, args.repeats // 2))
+    notes: list[str] = []
+    if "dist" in sections:
+        dist_rows, notes = bench_dist(optimizer, args.dist_blocks, max(3, args.repeats // 2))
+        rows += dist_rows
+    table = render(rows, header, notes)
+    print(table)
+    if not args.no_save:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        slug = "".join(ch if ch.isalnum() else "-" for ch in device_name.lower()).strip("-")
+        path = RESULTS_DIR / f"{slug}-{today}.md"
+        path.write_text(table)
+        print(f"written to {path.relative_to(REPO_ROOT)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

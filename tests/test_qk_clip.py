@@ -1,0 +1,160 @@
+"""QK-clip against its definition: the attention logits recomputed from the clipped weights (float64, q = x Wq^T + bq
+and k = x Wk^T + bk per head) fall to the threshold for clipped heads and stay exactly as they were for the others."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from kernel_under_test import optimizer
+
+Muon, QKClipLayer = optimizer.Muon, optimizer.QKClipLayer
+TOKENS, MODEL_DIM, HEAD_DIM = 12, 24, 4
+# The clipped weights are the fp32 originals times fp32 sqrt(gamma) factors: each factor is off by at most half an
+# ulp (6e-8 relative), so a head's recomputed logit is within a few 1e-7 of threshold * S / S_max in relative
+# terms; 1e-5 leaves margin and still fails any wrong scale (a missing sqrt is off by a factor of ~S / threshold).
+RELATIVE_TOL = 1e-5
+
+
+def max_logits(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, num_heads: int, num_kv_heads: int,
+               bq: torch.Tensor | None = None, bk: torch.Tensor | None = None) -> torch.Tensor:
+    """Per query head, the largest scaled dot product q_i . k_j / sqrt(head_dim) over all token pairs (float64)."""
+    x, wq, wk = x.double(), wq.double(), wk.double()
+    q = x @ wq.T + (0 if bq is None else bq.detach().double())
+    k = x @ wk.T + (0 if bk is None else bk.detach().double())
+    q = q.view(TOKENS, num_heads, HEAD_DIM).transpose(0, 1)
+    k = k.view(TOKENS, num_kv_heads, HEAD_DIM).transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
+    return (q @ k.transpose(1, 2) / math.sqrt(HEAD_DIM)).amax(dim=(1, 2))
+
+
+def attention_weights(num_heads: int, num_kv_heads: int, seed: int, bias: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, MODEL_DIM, generator=generator)
+    wq = nn.Parameter(torch.randn(num_heads * HEAD_DIM, MODEL_DIM, generator=generator))
+    wk = nn.Parameter(torch.randn(num_kv_heads * HEAD_DIM, MODEL_DIM, generator=generator))
+    bq = nn.Parameter(torch.randn(num_heads * HEAD_DIM, generator=generator)) if bias else None
+    bk = nn.Parameter(torch.randn(num_kv_heads * HEAD_DIM, generator=generator)) if bias else None
+    return x, wq, wk, bq, bk
+
+
+def clip_once(num_heads: int, num_kv_heads: int, bias: bool = False, seed: int = 0):
+    """Measures the logits, picks the threshold between the heads (about half exceed it) and clips with a step
+    whose parameters have no gradients (so the step itself changes nothing). Returns (before, after, threshold)."""
+    x, wq, wk, bq, bk = attention_weights(num_heads, num_kv_heads, seed, bias)
+    before = max_logits(x, wq.detach(), wk.detach(), num_heads, num_kv_heads, bq, bk)
+    threshold = float(before.median())
+    layer = QKClipLayer(wq, wk, num_heads=num_heads, head_dim=HEAD_DIM, num_kv_heads=num_kv_heads,
+                        query_bias=bq, key_bias=bk)
+    params = [p for p in (wq, wk, bq, bk) if p is not None]
+    opt = Muon(params, lr=0.1, qk_clip={0: layer}, qk_clip_threshold=threshold)
+    opt.step(qk_logits={0: before.float()})
+    after = max_logits(x, wq.detach(), wk.detach(), num_heads, num_kv_heads, bq, bk)
+    return before, after, threshold
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mha_clipped_heads_fall_to_the_threshold_and_others_are_unchanged(bias: bool) -> None:
+    before, after, threshold = clip_once(num_heads=6, num_kv_heads=6, bias=bias)
+    clipped = before > threshold
+    assert 0 < clipped.sum() < len(before)
+    # Per head the logit scales by exactly threshold / S, so each clipped head lands on the threshold.
+    torch.testing.assert_close(after[clipped], torch.full_like(after[clipped], threshold), rtol=RELATIVE_TOL, atol=0)
+    assert torch.equal(after[~clipped], before[~clipped])
+
+
+def test_gqa_every_clipped_head_ends_under_the_threshold() -> None:
+    heads, kv_heads = 8, 2
+    before, after, threshold = clip_once(num_heads=heads, num_kv_heads=kv_heads, seed=3)
+    group = heads // kv_heads
+    clipped = before > threshold
+    assert (after[clipped] <= threshold * (1 + RELATIVE_TOL)).all(), (after, threshold)
+    for kv in range(kv_heads):
+        members = slice(kv * group, (kv + 1) * group)
+        if clipped[members].any():
+            # The group's largest logit sets the key scale, so that head lands exactly on the threshold...
+            top = before[members].argmax()
+            torch.testing.assert_close(after[members][top], torch.tensor(threshold, dtype=torch.float64),
+                                       rtol=RELATIVE_TOL, atol=0)
+            # ...and heads of the group that were under it only shrink (their key rows are shared).
+            assert (after[members][~clipped[members]] <= before[members][~clipped[members]]).all()
+        else:
+            assert torch.equal(after[members], before[members])
+
+
+def test_gqa_groups_without_a_clipped_head_are_untouched() -> None:
+    x, wq, wk, _, _ = attention_weights(4, 2, seed=5)
+    before = max_logits(x, wq.detach(), wk.detach(), 4, 2)
+    group_max = before.view(2, 2).amax(dim=1)
+    hot = int(group_max.argmax())
+    cold = slice(2 * (1 - hot), 2 * (1 - hot) + 2)
+    threshold = float(group_max.mean())  # between the two groups' maxima: only the hot group has a clipped head
+    original = wq.detach().clone(), wk.detach().clone()
+    opt = Muon([wq, wk], qk_clip={"layer": QKClipLayer(wq, wk, 4, HEAD_DIM, num_kv_heads=2)},
+               qk_clip_threshold=threshold)
+    opt.step(qk_logits={"layer": before.float()})
+    after = max_logits(x, wq.detach(), wk.detach(), 4, 2)
+    assert torch.equal(after[cold], before[cold])
+    cold_query_rows = slice(cold.start * HEAD_DIM, cold.stop * HEAD_DIM)
+    cold_key_rows = slice((1 - hot) * HEAD_DIM, (2 - hot) * HEAD_DIM)
+    assert torch.equal(wq.detach()[cold_query_rows], original[0][cold_query_rows])
+    assert torch.equal(wk.detach()[cold_key_rows], original[1][cold_key_rows])
+    assert not torch.equal(wk.detach(), original[1])
+
+
+def test_clip_follows_the_update_and_names_resolve() -> None:
+    """With gradients, the step is the plain Muon step followed by the clip: heads under the threshold match an
+    optimizer without QK-clip bit for bit; a clipped head's rows are those rows times sqrt(threshold / S)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"q": nn.Linear(MODEL_DIM, 2 * HEAD_DIM, bias=False),
+                           "k": nn.Linear(MODEL_DIM, 2 * HEAD_DIM, bias=False)})
+    twin = nn.ModuleDict({name: nn.Linear(MODEL_DIM, 2 * HEAD_DIM, bias=False) for name in ("q", "k")})
+    twin.load_state_dict(model.state_dict())
+    for module in (model, twin):
+        for param in module.parameters():
+            param.grad = torch.ones_like(param)
+    threshold, logits = 100.0, torch.tensor([400.0, 50.0])
+    ours = Muon(model.named_parameters(), lr=0.02,
+                qk_clip={0: QKClipLayer("q.weight", "k.weight", num_heads=2, head_dim=HEAD_DIM)},
+                qk_clip_threshold=threshold)
+    plain = Muon(twin.parameters(), lr=0.02)
+    ours.step(qk_logits={0: logits})
+    plain.step()
+    half = 0.5  # sqrt(100 / 400)
+    for name in ("q", "k"):
+        mine, theirs = model[name].weight.detach(), twin[name].weight.detach()
+        torch.testing.assert_close(mine[:HEAD_DIM], theirs[:HEAD_DIM] * half, rtol=0, atol=0)
+        assert torch.equal(mine[HEAD_DIM:], theirs[HEAD_DIM:])
+
+
+def test_non_finite_logits_clip_nothing() -> None:
+    x, wq, wk, _, _ = attention_weights(2, 2, seed=1)
+    original = (wq.detach().clone(), wk.detach().clone())
+    opt = Muon([wq, wk], qk_clip={0: QKClipLayer(wq, wk, 2, HEAD_DIM)}, qk_clip_threshold=1.0)
+    opt.step(qk_logits={0: torch.tensor([math.inf, math.nan])})
+    assert torch.equal(wq.detach(), original[0]) and torch.equal(wk.detach(), original[1])
+
+
+def test_invalid_configuration_names_the_culprit() -> None:
+    _, wq, wk, _, _ = attention_weights(2, 2, seed=0)
+    layer = QKClipLayer(wq, wk, 2, HEAD_DIM)
+    with pytest.raises(ValueError, match="qk_clip_threshold"):
+        Muon([wq, wk], qk_clip={0: layer}, qk_clip_threshold=0.0)
+    with pytest.raises(ValueError, match=r"qk_clip\[0\].key: shape \(7, 24\)"):
+        Muon([wq, wk], qk_clip={0: QKClipLayer(wq, torch.zeros(7, MODEL_DIM), 2, HEAD_DIM)})
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        Muon([wq, wk], qk_clip={0: QKClipLayer(wq, wk, 2, HEAD_DIM, num_kv_heads=3)})
+    with pytest.raises(ValueError, match="'missing.weight' is not the name"):
+        Muon([wq, wk], qk_clip={0: QKClipLayer("missing.weight", wk, 2, HEAD_DIM)})
+    opt = Muon([wq, wk], qk_clip={0: layer})
+    wq.grad = torch.ones_like(wq)
+    original = wq.detach().clone()
+    with pytest.raises(ValueError, match="qk_logits key 1"):
+        opt.step(qk_logits={1: torch.ones(2)})
+    assert torch.equal(wq.detach(), original) and not opt.state, "a rejected step must change nothing"
+    with pytest.raises(ValueError, match=r"qk_logits\[0\]"):
+        opt.step(qk_logits={0: torch.ones(3)})
+    with pytest.raises(ValueError, match="no qk_clip layers"):
+        Muon([wq, wk]).step(qk_logits={0: torch.ones(2)})
