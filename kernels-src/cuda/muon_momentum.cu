@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "op_math.cuh"
+
 #include "muon_momentum_launch.h"
 
 namespace muon_cuda {
@@ -38,15 +40,6 @@ void dispatch_dtype(DType dtype, F&& f) {
   }
 }
 
-// torch's rule for arithmetic: float for float and the 16-bit types, double for double.
-template <typename T>
-struct OpMath {
-  using type = float;
-};
-template <>
-struct OpMath<double> {
-  using type = double;
-};
 
 __device__ __forceinline__ float load(float x) { return x; }
 __device__ __forceinline__ double load(double x) { return x; }
@@ -109,9 +102,9 @@ __global__ void check_finite_kernel(const T* __restrict__ grad, int64_t numel, f
 
 template <typename V, typename U, bool nesterov>
 __global__ void momentum_update_kernel(V* __restrict__ buffer, const V* __restrict__ grad, U* __restrict__ update,
-                                       int64_t numel, typename OpMath<V>::type grad_weight,
-                                       typename OpMath<V>::type buffer_weight, const float* __restrict__ flag) {
-  using opmath_t = typename OpMath<V>::type;
+                                       int64_t numel, OpMath<V> grad_weight,
+                                       OpMath<V> buffer_weight, const float* __restrict__ flag) {
+  using opmath_t = OpMath<V>;
   if (*flag == 0.0f) {
     for (int64_t j = first_index(); j < numel; j += grid_stride()) {
       update[j] = Store<U>::from(opmath_t(0));
@@ -155,7 +148,7 @@ void launch_momentum_update(void* buffer, const void* grad, DType value_dtype, v
     dispatch_dtype(update_dtype, [&](auto update_tag) {
       using V = typename decltype(value_tag)::type;
       using U = typename decltype(update_tag)::type;
-      using opmath_t = typename OpMath<V>::type;
+      using opmath_t = OpMath<V>;
       // 1 - beta is taken in double and then rounded, as torch does with a Python-float lerp weight.
       const auto grad_weight = static_cast<opmath_t>(1.0 - beta);
       const auto buffer_weight = static_cast<opmath_t>(beta);

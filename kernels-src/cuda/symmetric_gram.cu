@@ -14,6 +14,8 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "op_math.cuh"
 #include <mma.h>
 
 #include "symmetric_gram_launch.h"
@@ -21,17 +23,6 @@
 namespace muon_cuda {
 namespace {
 
-// torch's rule for arithmetic: float for float and the 16-bit types, double for double.
-template <typename T>
-struct OpMathOf {
-  using type = float;
-};
-template <>
-struct OpMathOf<double> {
-  using type = double;
-};
-template <typename T>
-using OpMath = typename OpMathOf<T>::type;
 
 template <typename T>
 struct GramArgs {
