@@ -373,7 +373,7 @@ def main() -> None:
     if "gram" in sections:
         rows += bench_gram(optimizer, device, dtype, gram_shapes, args.repeats)
     if "zeropower" in sections:
-        ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        ns_dtype = importlib.import_module(f"{optimizer.__name__}.newton_schulz").default_ns_dtype(device)
         rows += bench_zeropower(optimizer, device, ns_dtype, ns_shapes, args.repeats, compiled_reference=False)
         if device.type == "cuda":
             rows += bench_zeropower(optimizer, device, ns_dtype, ns_shapes, args.repeats, compiled_reference=True)

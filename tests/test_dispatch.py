@@ -55,6 +55,7 @@ def test_kernel_choice_by_device_dtype_and_shape() -> None:
     small, large = (64, 256), (dispatch.CPU_MIN_ROWS, 2 * dispatch.CPU_MIN_ROWS)
     assert optimizer.kernel_choice(small, torch.float32, "cpu") == "torch"
     assert optimizer.kernel_choice(large, torch.float32, "cpu") == "cpu"
+    assert optimizer.kernel_choice(large, torch.bfloat16, "cpu") == "torch"  # the CPU BLAS wins in 16-bit
     assert optimizer.kernel_choice((dispatch.CUDA_MIN_ROWS // 2,) * 2, torch.bfloat16, "cuda") == "torch"
     assert optimizer.kernel_choice((dispatch.CUDA_MIN_ROWS,) * 2, torch.bfloat16, "cuda") in ("triton", "cuda")
 
@@ -71,6 +72,6 @@ def test_muon_step_uses_the_chosen_kernel(monkeypatch: pytest.MonkeyPatch) -> No
     rows = dispatch.CPU_MIN_ROWS
     param = torch.randn(rows, rows + 64)
     param.grad = torch.randn_like(param)
-    optimizer.Muon([param], ns_steps=2).step()
+    optimizer.Muon([param], ns_steps=2, ns_dtype=torch.float32).step()
     # Two steps, each a Gram product of X and a polynomial product of A, on the batched (1, rows, cols) stack.
     assert calls == [(1, rows, rows + 64), (1, rows, rows)] * 2

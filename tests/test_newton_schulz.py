@@ -190,8 +190,10 @@ def test_newton_schulz_runs_a_given_schedule_in_the_input_dtype():
 
 
 def test_default_ns_dtype():
-    assert default_ns_dtype(torch.device("cpu")) == torch.float32
-    assert default_ns_dtype("cpu") == torch.float32
+    # The CPU choice follows torch's own probe of the CPU's bf16 matrix units (AMX).
+    cpu_dtype = torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
+    assert default_ns_dtype(torch.device("cpu")) == cpu_dtype
+    assert default_ns_dtype("cpu") == cpu_dtype
     assert default_ns_dtype(torch.device("cuda", 1)) == torch.bfloat16
     assert default_ns_dtype("xpu") == torch.bfloat16
 

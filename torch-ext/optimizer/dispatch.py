@@ -29,6 +29,9 @@ CUDA_MIN_ROWS = 4096
 
 _COMPILED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# In 16-bit dtypes the CPU BLAS (AMX) is so fast that the tiles' extra passes eat the saving: `make bench` measured
+# the compiled op slower than torch.mm on bf16 Newton-Schulz buckets, so it is chosen automatically only here.
+_CPU_FAST_DTYPES = (torch.float32, torch.float64)
 
 
 def _unavailable_reason(backend: str, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -64,7 +67,8 @@ def kernel_choice(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, devic
     """The backend `gram` and `zeropower` use for a matrix (or batch of matrices) of `shape` when none is given."""
     device = torch.device(device)
     rows = min(shape[-2:])
-    if device.type == "cpu" and rows >= CPU_MIN_ROWS and _unavailable_reason("cpu", dtype, device) is None:
+    if (device.type == "cpu" and rows >= CPU_MIN_ROWS and dtype in _CPU_FAST_DTYPES
+            and _unavailable_reason("cpu", dtype, device) is None):
         return "cpu"
     if device.type == "cuda" and rows >= CUDA_MIN_ROWS:
         for backend in ("triton", "cuda"):

@@ -84,11 +84,9 @@ def muon_update(items: Sequence[MuonTensors], *, lr: float, weight_decay: float,
         batches = [item.view.batch for item in bucket]
         matrices = torch.empty(sum(batches), rows, cols, dtype=ns_dtype, device=device)
         finite = _momentum_into(bucket, matrices, momentum, nesterov)
+        # A skipped parameter's momentum step wrote zeros, and Newton-Schulz maps zero to exactly zero (the norm is
+        # clamped, and each matrix of the batch is independent), so its update below adds exactly nothing.
         orthogonal = newton_schulz(matrices, coefficients, eps)
-        # Multiplying by exactly 1 or 0 is exact in any dtype: a skipped parameter gets a zero update.
-        per_matrix = finite if len(batches) == len(matrices) else finite.repeat_interleave(
-            torch.tensor(batches, device=device))
-        orthogonal.mul_(per_matrix.view(-1, 1, 1))
         params = [item.param for item in bucket]
         skipped = finite.eq(0)
         for item, was_skipped in zip(bucket, skipped.unbind()):
@@ -96,9 +94,10 @@ def muon_update(items: Sequence[MuonTensors], *, lr: float, weight_decay: float,
         if weight_decay != 0:
             decay = torch.where(skipped, 1.0, 1.0 - lr * weight_decay)
             torch._foreach_mul_(params, list(decay.unbind()))
-        updates = [item.view.from_matrices(part, item.param.shape)
-                   for item, part in zip(bucket, orthogonal.split(batches))]
-        torch._foreach_add_(params, updates, alpha=-adjusted_lr(lr, adjust_lr_fn, rows, cols))
+        step_size = -adjusted_lr(lr, adjust_lr_fn, rows, cols)
+        for item, part in zip(bucket, orthogonal.split(batches)):
+            # One pass per parameter, converting ns_dtype on the fly (a foreach add would first copy to p's dtype).
+            item.param.add_(item.view.from_matrices(part, item.param.shape), alpha=step_size)
 
 
 @dataclass

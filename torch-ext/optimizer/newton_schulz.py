@@ -62,9 +62,14 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float,
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 on accelerators (fast tensor-core products); float32 on the CPU, where bfloat16 products are
-    slower than float32 ones."""
-    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    """bfloat16 on accelerators (tensor-core products) and on CPUs with AMX bf16 units, float32 on other CPUs.
+
+    Measured on a 2-core Sapphire Rapids: bf16 `torch.mm` ran at ~1.6 TFLOP/s against ~0.27 for fp32; CPUs without
+    bf16 matrix units run bf16 products slower than fp32, so they keep fp32.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
 
 
 def _check_matrix(G: Tensor) -> None:
