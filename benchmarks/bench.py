@@ -189,13 +189,16 @@ class _NaiveGatherAll:
     def __init__(self, optimizer, params: list[torch.Tensor]) -> None:
         self.optimizer, self.params = optimizer, params
         self.buffers = [torch.zeros(p.shape) for p in params]
+        # The same Newton-Schulz dtype as our optimizer's default on this machine, so only the communication differs.
+        self.ns_dtype = importlib.import_module(f"{optimizer.__name__}.newton_schulz").default_ns_dtype(
+            torch.device("cpu"))
 
     @torch.no_grad()
     def step(self) -> None:
         for param, buffer in zip(self.params, self.buffers):
             grad = param.grad.full_tensor()
             buffer.lerp_(grad, 0.05)
-            update = self.optimizer.zeropower(grad.lerp_(buffer, 0.95), 5, dtype=torch.float32)
+            update = self.optimizer.zeropower(grad.lerp_(buffer, 0.95), 5, dtype=self.ns_dtype)
             local = param.to_local()
             rows = local.shape[0]
             start = dist.get_rank() * rows  # even shards: GPT-2's dims divide by 4
@@ -246,7 +249,7 @@ def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, re
         optimizer = get_local_kernel(REPO_ROOT / "build")
         mesh = init_device_mesh("cpu", (world,))
         result: dict[str, object] = {}
-        ours = optimizer.Muon(_dist_matrices(blocks, mesh), lr=0.02, ns_dtype=torch.float32)
+        ours = optimizer.Muon(_dist_matrices(blocks, mesh), lr=0.02)  # ns_dtype=None: the default here
         result["ours_ms"] = _timed_step_ms(ours.step, repeats)
         sent = torch.tensor([float(_bytes_sent(ours.step))])
         gathered = [torch.zeros(1) for _ in range(world)]
