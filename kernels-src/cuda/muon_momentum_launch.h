@@ -5,9 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
-namespace muon_cuda {
+#include "dtype.h"
 
-enum class DType { kFloat32, kFloat64, kBFloat16, kFloat16 };
+namespace muon_cuda {
 
 // flags[0..count) = 1: every gradient counts as finite until its check clears its flag.
 void launch_mark_all_finite(float* flags, int64_t count, cudaStream_t stream);

@@ -426,7 +426,7 @@ GramArgs<T> gram_args(void* out, MatrixLayout out_layout, const void* x, MatrixL
 }  // namespace
 
 void launch_symmetric_gram(void* out, MatrixLayout out_layout, const void* x, MatrixLayout x_layout, const void* c,
-                           MatrixLayout c_layout, GramDType dtype, int64_t batch, int64_t rows, int64_t depth,
+                           MatrixLayout c_layout, DType dtype, int64_t batch, int64_t rows, int64_t depth,
                            double alpha, double beta, cudaStream_t stream) {
   if (batch == 0 || rows == 0) {
     return;
@@ -434,17 +434,17 @@ void launch_symmetric_gram(void* out, MatrixLayout out_layout, const void* x, Ma
   // As torch's addmm: beta = 0 drops the C term altogether, so NaN or Inf in C do not reach out.
   const void* c_term = beta == 0.0 ? nullptr : c;
   switch (dtype) {
-    case GramDType::kFloat32:
+    case DType::kFloat32:
       return cuda_core::launch(
           gram_args<float>(out, out_layout, x, x_layout, c_term, c_layout, batch, rows, depth, alpha, beta), stream);
-    case GramDType::kFloat64:
+    case DType::kFloat64:
       return cuda_core::launch(
           gram_args<double>(out, out_layout, x, x_layout, c_term, c_layout, batch, rows, depth, alpha, beta), stream);
-    case GramDType::kBFloat16:
+    case DType::kBFloat16:
       return tensor_core::launch(gram_args<__nv_bfloat16>(out, out_layout, x, x_layout, c_term, c_layout, batch, rows,
                                                           depth, alpha, beta),
                                  stream);
-    case GramDType::kFloat16:
+    case DType::kFloat16:
       return tensor_core::launch(
           gram_args<__half>(out, out_layout, x, x_layout, c_term, c_layout, batch, rows, depth, alpha, beta), stream);
   }

@@ -8,25 +8,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "launch_dtype.h"
 #include "symmetric_gram_launch.h"
 
 namespace {
-
-muon_cuda::GramDType gram_dtype(c10::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat:
-      return muon_cuda::GramDType::kFloat32;
-    case at::kDouble:
-      return muon_cuda::GramDType::kFloat64;
-    case at::kBFloat16:
-      return muon_cuda::GramDType::kBFloat16;
-    case at::kHalf:
-      return muon_cuda::GramDType::kFloat16;
-    default:
-      TORCH_CHECK_VALUE(false, "symmetric_gram_: X has dtype ", dtype,
-                        " (expected float32, float64, bfloat16 or float16)");
-  }
-}
 
 // The kernels read each row as a run of adjacent elements (16-byte copies on the tensor-core path); batch and row
 // strides are free. A view whose rows are not runs, such as a transpose, is copied once into that layout.
@@ -42,7 +27,7 @@ muon_cuda::MatrixLayout layout_of(const at::Tensor& tensor) {
 
 void symmetric_gram_cuda(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C, double alpha,
                          double beta) {
-  const muon_cuda::GramDType dtype = gram_dtype(X.scalar_type());
+  const muon_cuda::DType dtype = muon_cuda::launch_dtype(X.scalar_type(), "symmetric_gram_: X");
   const c10::cuda::CUDAGuard device_guard(X.device());
   const at::Tensor x = with_unit_row_stride(X);
   const std::optional<at::Tensor> c = C.has_value() ? std::optional(with_unit_row_stride(*C)) : std::nullopt;

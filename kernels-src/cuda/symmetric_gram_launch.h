@@ -5,10 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
-namespace muon_cuda {
+#include "dtype.h"
 
-// The element types the Gram kernels take: tensor cores for the 16-bit ones, CUDA-core FMA for float32 and float64.
-enum class GramDType { kFloat32, kFloat64, kBFloat16, kFloat16 };
+namespace muon_cuda {
 
 // Where the matrices of a batch live: element (b, i, j) is at data[b * batch_stride + i * row_stride + j].
 struct MatrixLayout {
@@ -23,7 +22,7 @@ struct MatrixLayout {
 // just before out's element at the same place is written: c may be out itself, but must not partly overlap it.
 // beta == 0 drops the c term, as torch's addmm does, so NaN or Inf in c never reach out.
 void launch_symmetric_gram(void* out, MatrixLayout out_layout, const void* x, MatrixLayout x_layout, const void* c,
-                           MatrixLayout c_layout, GramDType dtype, int64_t batch, int64_t rows, int64_t depth,
+                           MatrixLayout c_layout, DType dtype, int64_t batch, int64_t rows, int64_t depth,
                            double alpha, double beta, cudaStream_t stream);
 
 }  // namespace muon_cuda

@@ -207,8 +207,10 @@ class Muon(Optimizer):
                         nesterov=group["nesterov"],
                         coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
                         eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype)
-        spread = [item for item in items if is_spread(item.param, self.process_group)]
-        local = [item for item in items if not is_spread(item.param, self.process_group)]
+        spread: list[MuonTensors] = []
+        local: list[MuonTensors] = []
+        for item in items:
+            (spread if is_spread(item.param, self.process_group) else local).append(item)
         if local:
             muon_update(local, **settings)
         if spread:
