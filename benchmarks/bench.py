@@ -17,6 +17,7 @@ import platform
 import socket
 import tempfile
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +37,16 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 GPT2_SMALL_BLOCK = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
 GPT2_SMALL_VECTORS = [2304, 768, 3072, 768, 768, 768, 768, 768]  # biases and LayerNorm weights/biases per block
 GPT2_BLOCKS = 12
+# One Llama-3-8B decoder layer: q, k, v, o (GQA: 8 KV heads of 128) and the SwiGLU MLP, stored (out, in); two norms.
+LLAMA3_8B_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096),
+                   (4096, 14336)]
+LLAMA3_8B_VECTORS = [4096, 4096]
+BACKENDS = ("cpu", "cuda", "triton", "torch")
+# Gram sizes at which NVIDIA Emerging-Optimizers' Triton SYRK is measured beside ours (its autotuning is long).
+EMERGING_SYRK_SIZES = (8192,)
+# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s), printed beside the measured torch.mm rate.
+DATASHEET_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H100 SXM": 989.4, "H200": 989.4, "A100": 312.0, "T4": 65.0,
+                         "L4": 121.0, "A10G": 70.0}
 DIST_WORLD = 4
 DIST_TIMEOUT_S = 600  # past this the dist workers are killed and the section reports that
 
@@ -48,6 +59,10 @@ class Row:
     ms: float
     flop: float
     baseline_ms: float
+
+    def __post_init__(self) -> None:
+        # Each row as soon as it is measured, so a run cut short still shows what it measured.
+        print(" | ".join(self.cells()), file=sys.stderr, flush=True)
 
     def cells(self) -> list[str]:
         ratio = self.baseline_ms / self.ms
@@ -99,10 +114,23 @@ def bench_gram(optimizer, device: torch.device, dtype: torch.dtype, shapes: list
         for backend in backends:
             ms = median_ms(lambda: optimizer.gram(X, backend=backend), device, repeats)
             rows.append(Row("gram", case, f"gram backend={backend}", ms, gram_flop(m, k), baseline))
+        if device.type == "cuda" and dtype == torch.bfloat16 and m == k and m in EMERGING_SYRK_SIZES:
+            rows += _emerging_syrk_rows(X, case, baseline, repeats)
         chosen = optimizer.kernel_choice((m, m), dtype, device)
         ms = median_ms(lambda: optimizer.gram(X), device, repeats)
         rows.append(Row("gram", case, f"gram auto ({chosen})", ms, gram_flop(m, k), baseline))
     return rows
+
+
+def _emerging_syrk_rows(X: torch.Tensor, case: str, baseline: float, repeats: int) -> list[Row]:
+    """NVIDIA Emerging-Optimizers' Triton `tsyrk_ex` (bf16, TMA descriptors), if installed."""
+    try:
+        from emerging_optimizers.triton_kernels import tsyrk_ex
+    except ImportError:
+        return []
+    m, k = X.shape
+    ms = median_ms(lambda: tsyrk_ex(X), X.device, repeats)
+    return [Row("gram", case, "emerging-optimizers tsyrk_ex", ms, gram_flop(m, k), baseline)]
 
 
 def _runs(optimizer, X: torch.Tensor, backend: str) -> bool:
@@ -128,15 +156,42 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtype: torch.dtype, shap
         baseline = median_ms(lambda: reference(G, coefficients, 5, 1e-7), device, repeats)
         case = f"{m}x{n} 5 steps"
         rows.append(Row("zeropower", case, name, baseline, flop, baseline))
-        for backend in ("torch", None):
+        backends = [b for b in BACKENDS if _runs(optimizer, G.to(ns_dtype), b)] + [None]
+        for backend in backends:
             label = f"zeropower {str(ns_dtype).removeprefix('torch.')} " + (
-                "backend=torch" if backend else f"auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})")
+                f"backend={backend}" if backend else f"auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})")
             ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, backend=backend), device, repeats)
             rows.append(Row("zeropower", case, label, ms, flop, baseline))
+        if not compiled_reference and device.type == "cuda":
+            rows += _emerging_newton_schulz_rows(G, case, flop, baseline, repeats)
     return rows
 
 
-def _gpt2_small_params(device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _emerging_newton_schulz_rows(G: torch.Tensor, case: str, flop: float, baseline: float, repeats: int) -> list[Row]:
+    """NVIDIA Emerging-Optimizers' newton_schulz in bf16 (float32 matmul precision "medium", as its docs say), with
+    cuBLAS and, where its Triton SYRK runs, with `use_syrk` (2D only). Skipped if the package is not installed."""
+    try:
+        from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
+    except ImportError:
+        return []
+    rows = []
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        for use_syrk in (False, True):
+            if use_syrk and min(G.shape) not in EMERGING_SYRK_SIZES:
+                continue  # its autotuner compiles 18 to 180 configs per new size: a few sizes only
+            ms = median_ms(lambda: newton_schulz(G, 5, coefficient_type="polar_express", use_syrk=use_syrk),
+                           G.device, repeats)
+            label = "emerging-optimizers newton_schulz bf16" + (" use_syrk" if use_syrk else "")
+            rows.append(Row("zeropower", case, label, ms, flop, baseline))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return rows
+
+
+def _step_params(device: torch.device, matrix_shapes: list[tuple[int, int]], vector_sizes: list[int],
+                 copies: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     generator = torch.Generator(device="cpu").manual_seed(0)
 
     def leaf(shape) -> torch.Tensor:
@@ -144,23 +199,29 @@ def _gpt2_small_params(device: torch.device) -> tuple[list[torch.Tensor], list[t
         tensor.grad = torch.randn(shape, generator=generator).to(device)
         return tensor
 
-    matrices = [leaf(shape) for _ in range(GPT2_BLOCKS) for shape in GPT2_SMALL_BLOCK]
-    vectors = [leaf((size,)) for _ in range(GPT2_BLOCKS) for size in GPT2_SMALL_VECTORS]
+    matrices = [leaf(shape) for _ in range(copies) for shape in matrix_shapes]
+    vectors = [leaf((size,)) for _ in range(copies) for size in vector_sizes]
     return matrices, vectors
 
 
 def bench_step(optimizer, device: torch.device, repeats: int) -> list[Row]:
-    """One optimizer step on GPT-2 small's hidden matrices (48) and vectors: ours vs torch.optim.Muon + AdamW."""
-    matrices, vectors = _gpt2_small_params(device)
-    flop = sum(newton_schulz_flop(*shape, 5) for shape in GPT2_SMALL_BLOCK) * GPT2_BLOCKS
-    theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
-              torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95))]
-    baseline = median_ms(lambda: [opt.step() for opt in theirs], device, repeats)
-    case = f"GPT-2 small, {len(matrices)} matrices + {len(vectors)} vectors"
-    rows = [Row("Muon.step", case, "torch.optim.Muon + AdamW", baseline, flop, baseline)]
-    ours = optimizer.Muon(matrices + vectors, lr=0.02)
-    ms = median_ms(ours.step, device, repeats)
-    rows.append(Row("Muon.step", case, "optimizer.Muon (ns_dtype auto)", ms, flop, baseline))
+    """One optimizer step, ours vs torch.optim.Muon + AdamW (fused on GPUs), on GPT-2 small's hidden matrices and
+    vectors and, on GPUs, on one Llama-3-8B layer."""
+    shape_sets = [("GPT-2 small", GPT2_SMALL_BLOCK, GPT2_SMALL_VECTORS, GPT2_BLOCKS)]
+    if device.type == "cuda":
+        shape_sets.append(("Llama-3-8B layer", LLAMA3_8B_LAYER, LLAMA3_8B_VECTORS, 1))
+    rows = []
+    for name, matrix_shapes, vector_sizes, copies in shape_sets:
+        matrices, vectors = _step_params(device, matrix_shapes, vector_sizes, copies)
+        flop = sum(newton_schulz_flop(*shape, 5) for shape in matrix_shapes) * copies
+        theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
+                  torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=device.type == "cuda")]
+        baseline = median_ms(lambda: [opt.step() for opt in theirs], device, repeats)
+        case = f"{name}, {len(matrices)} matrices + {len(vectors)} vectors"
+        rows.append(Row("Muon.step", case, "torch.optim.Muon + AdamW", baseline, flop, baseline))
+        ours = optimizer.Muon(matrices + vectors, lr=0.02)
+        ms = median_ms(ours.step, device, repeats)
+        rows.append(Row("Muon.step", case, "optimizer.Muon (ns_dtype auto)", ms, flop, baseline))
     return rows
 
 
@@ -338,6 +399,36 @@ def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[st
     return rows, notes
 
 
+def _software_lines(optimizer, device: torch.device) -> list[str]:
+    lines = [f"torch {torch.__version__}; {optimizer.ops_summary()}"]
+    if device.type == "cuda":
+        import triton
+        props = torch.cuda.get_device_properties(device)
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip() or "unknown"
+        lines.append(f"CUDA {torch.version.cuda}, driver {driver}, Triton {triton.__version__}; sm_{props.major}"
+                     f"{props.minor}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
+    return lines
+
+
+def _datasheet_note(device_name: str) -> str:
+    for key, tflops in DATASHEET_BF16_TFLOPS.items():
+        if key in device_name:
+            return f" (datasheet dense bf16 peak: {tflops * 1e3:.0f} GFLOP/s)"
+    return ""
+
+
+def _autotune_notes(optimizer) -> list[str]:
+    """Which Triton config the autotuner chose for each shape it met in this run."""
+    notes = []
+    for module_name, kernel_name in (("xxt", "_xxt_lower_kernel"), ("symmetric_poly", "_ba_plus_caa_lower_kernel")):
+        module = sys.modules.get(f"{optimizer.__name__}.triton_kernels.{module_name}")
+        cache = getattr(getattr(module, kernel_name, None), "cache", {})
+        for key, config in cache.items():
+            notes.append(f"triton {module_name} autotuned for {key[:2]}: {config}")
+    return notes
+
+
 def render(rows: list[Row], header: list[str], notes: list[str] = ()) -> str:
     columns = ["section", "case", "path", "median ms", "GFLOP", "GFLOP/s", "vs baseline"]
     lines = [*header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
@@ -352,7 +443,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row on CPU (GPU: do_bench's own)")
     parser.add_argument("--sections", default="gram,zeropower,step,dist", help="comma-separated subset to run")
     parser.add_argument("--dist-blocks", type=int, default=2, help="GPT-2 small blocks in the dist section")
-    parser.add_argument("--no-save", action="store_true", help="print only; do not write benchmarks/results/")
+    parser.add_argument("--no-save", action="store_true", help="print only; do not write the results file")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="folder for <device>-<date>.md")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
 
@@ -360,17 +452,18 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name()
-        dtype, gram_shapes = torch.bfloat16, [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (1024, 4096)]
-        ns_shapes = [(768, 3072), (4096, 4096), (8192, 8192)]
+        dtype = torch.bfloat16
+        gram_shapes = [(s, s) for s in (512, 1024, 2048, 4096, 8192, 16384)] + [(1024, 4096), (4096, 16384)]
+        ns_shapes = [(768, 3072)] + [(s, s) for s in (1024, 2048, 4096, 8192)]
     else:
         device_name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
         dtype, gram_shapes = torch.float32, [(512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 4096)]
         ns_shapes = [(768, 768), (768, 3072), (2048, 2048)]
     peak = peak_gflops(device, dtype, args.repeats)
     today = datetime.date.today().isoformat()
-    header = [f"# Benchmarks: {device_name}, {today}", "",
-              f"torch {torch.__version__}; {optimizer.ops_summary()}",
-              f"Measured matmul peak (torch.mm, {str(dtype).removeprefix('torch.')}): {peak:.0f} GFLOP/s. "
+    header = [f"# Benchmarks: {device_name}, {today}", "", *_software_lines(optimizer, device),
+              f"Measured matmul peak (torch.mm, {str(dtype).removeprefix('torch.')}): {peak:.0f} GFLOP/s"
+              f"{_datasheet_note(device_name)}. "
               "GFLOP counts are of full products; ratios are baseline / ours, measured side by side in this run."]
     rows: list[Row] = []
     if "gram" in sections:
@@ -386,14 +479,15 @@ def main() -> None:
     if "dist" in sections:
         dist_rows, notes = bench_dist(optimizer, args.dist_blocks, max(3, args.repeats // 2))
         rows += dist_rows
+    notes += _autotune_notes(optimizer)
     table = render(rows, header, notes)
     print(table)
     if not args.no_save:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        args.results_dir.mkdir(parents=True, exist_ok=True)
         slug = "".join(ch if ch.isalnum() else "-" for ch in device_name.lower()).strip("-")
-        path = RESULTS_DIR / f"{slug}-{today}.md"
+        path = args.results_dir / f"{slug}-{today}.md"
         path.write_text(table)
-        print(f"written to {path.relative_to(REPO_ROOT)}", file=sys.stderr)
+        print(f"written to {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from kernel_under_test import optimizer, submodule
+from kernel_under_test import load_cpu_variant, submodule
 
+# CPU tensors, so the compiled CPU variant (on a GPU machine `optimizer` is the CUDA one, whose library has no CPU op).
+optimizer = load_cpu_variant()
 dispatch = submodule(optimizer, "dispatch")
 native = submodule(optimizer, "native")
 
 # Backends that can run on CPU tensors here: the compiled CPU op, and Triton under the interpreter (conftest sets
-# TRITON_INTERPRET=1). The interpreter is slow per tile, so shapes stay small.
-CPU_BACKENDS = ["torch", "cpu", "triton"]
+# TRITON_INTERPRET=1 unless the run asks for compiled Triton on a GPU). The interpreter is slow per tile, so shapes
+# stay small.
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+CPU_BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.skipif(
+    not INTERPRETER, reason="Triton runs on CPU tensors only under its interpreter"))]
 
 
 def test_compiled_cpu_kernel_is_in_this_build() -> None:
@@ -31,7 +38,7 @@ def test_gram_backends_match_float64(backend: str, shape: tuple[int, ...]) -> No
     assert torch.equal(result, result.mT)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS[1:])
 def test_zeropower_backends_agree_with_torch_backend(backend: str) -> None:
     G = torch.randn(2, 96, 160)
     reference = optimizer.zeropower(G, steps=5, dtype=torch.float32, backend="torch")
@@ -56,8 +63,18 @@ def test_kernel_choice_by_device_dtype_and_shape() -> None:
     assert optimizer.kernel_choice(small, torch.float32, "cpu") == "torch"
     assert optimizer.kernel_choice(large, torch.float32, "cpu") == "cpu"
     assert optimizer.kernel_choice(large, torch.bfloat16, "cpu") == "torch"  # the CPU BLAS wins in 16-bit
-    assert optimizer.kernel_choice((dispatch.CUDA_MIN_ROWS // 2,) * 2, torch.bfloat16, "cuda") == "torch"
-    assert optimizer.kernel_choice((dispatch.CUDA_MIN_ROWS,) * 2, torch.bfloat16, "cuda") in ("triton", "cuda")
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (7, 5), None])
+def test_kernel_choice_on_gpus_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch, capability) -> None:
+    monkeypatch.setattr(dispatch, "cuda_capability", lambda device: capability)
+    min_rows = dispatch.TRITON_MIN_ROWS.get(capability)
+    for rows in (1024, 4096, 8192, 16384):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            chosen = optimizer.kernel_choice((rows, 2 * rows), dtype, "cuda")
+            # Triton only where it was measured faster: a listed capability, 16-bit, from its row count on.
+            wins = min_rows is not None and rows >= min_rows and dtype != torch.float32
+            assert chosen == ("triton" if wins else "torch"), (capability, rows, dtype, chosen)
 
 
 def test_muon_step_uses_the_chosen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,3 +92,21 @@ def test_muon_step_uses_the_chosen_kernel(monkeypatch: pytest.MonkeyPatch) -> No
     optimizer.Muon([param], ns_steps=2, ns_dtype=torch.float32).step()
     # Two steps, each a Gram product of X and a polynomial product of A, on the batched (1, rows, cols) stack.
     assert calls == [(1, rows, rows + 64), (1, rows, rows)] * 2
+
+
+@pytest.mark.parametrize("precision,exact", [("highest", True), ("high", False)])
+def test_triton_float32_products_follow_torch_matmul_precision(monkeypatch: pytest.MonkeyPatch, precision: str,
+                                                               exact: bool) -> None:
+    # Triton's TF32 truncates (measured 2.2x cuBLAS's TF32 error on an H100), so it is used only where torch.mm
+    # itself would use TF32.
+    seen: list[bool] = []
+    monkeypatch.setattr(dispatch, "xxt", lambda X, exact_fp32: seen.append(exact_fp32) or X @ X.mT)
+    monkeypatch.setattr(dispatch, "ba_plus_caa", lambda A, b, c, exact_fp32: seen.append(exact_fp32) or A)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        A = dispatch.symmetric_gram(torch.randn(4, 6), "triton")
+        dispatch.symmetric_polynomial(A, 1.0, 1.0, "triton")
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seen == [exact, exact]

@@ -264,3 +264,25 @@ def test_launchers_explain_a_missing_triton(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         for module_name in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
             del sys.modules[module_name]
+
+
+@pytest.mark.skipif(not triton_kernels.TRITON_AVAILABLE, reason="needs Triton")
+@pytest.mark.parametrize("dtype,rows,shared_memory,expected", [
+    # An H100 (227 KiB per block): all three candidates for small bf16 Gram matrices, the 128-row ones for large.
+    (torch.bfloat16, 1024, 232448, [(128, 64, 4), (128, 64, 4), (64, 64, 4)]),
+    (torch.bfloat16, 8192, 232448, [(128, 64, 4), (128, 64, 4)]),
+    # fp32 operands take twice the bytes: the 128x64 pipelines (256 KiB) do not fit, the 64-row one does.
+    (torch.float32, 8192, 232448, [(64, 64, 4)]),
+    # A T4 (64 KiB): no candidate leaves room for the epilogue, so the smaller pipelines.
+    (torch.float16, 1024, 65536, [(128, 32, 3), (64, 32, 2)]),
+    (torch.float32, 8192, 65536, [(64, 32, 2)]),
+])
+def test_tile_configs_fit_shared_memory(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int,
+                                        shared_memory: int, expected: list[tuple[int, int, int]]) -> None:
+    monkeypatch.setattr(launch_rules, "INTERPRETER", False)
+    monkeypatch.setattr(launch_rules, "_max_shared_memory", lambda: shared_memory)
+    configs = launch_rules.symmetric_tile_configs()
+    kept = launch_rules.prune_tile_configs(configs, {"x_ptr": torch.empty(0, dtype=dtype), "M": rows})
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages) for c in kept] == expected
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    assert all(launch_rules._operand_bytes(c, element_size) <= shared_memory for c in kept)

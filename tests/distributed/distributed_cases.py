@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.torch_version import TorchVersion
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for kernel_under_test
 from kernel_under_test import optimizer  # noqa: E402
@@ -159,12 +160,16 @@ BF16_ATOL = 3e-3
 TRAINED_BF16_ATOL = 1e-2
 
 
+# torch 2.11 (seen on the GPU machine, 2026-11-23) refuses a _StridedShard with no Shard before it on the same dim
+# ("unable to be interpreted into a corresponding shard_order"); the torch this project pins accepts it.
+LONE_STRIDED_SHARD_ACCEPTED = TorchVersion(torch.__version__) >= "2.13"
+
+
 def cases_for(world: int) -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {
         "fsdp2_fully_shard": partial(fsdp2_case, world),
         "shard0_1d": partial(dtensor_case, (world,), [Shard(0)]),
         "shard1_1d": partial(dtensor_case, (world,), [Shard(1)]),
-        "strided_shard1_1d": partial(dtensor_case, (world,), [_StridedShard(1, split_factor=2)]),
         "replicate_1d": partial(dtensor_case, (world,), [Replicate()]),
         "shard0_one_matrix_per_chunk": partial(dtensor_case, (world,), [Shard(0)], chunk_size=1),
         "nonfinite_on_one_shard_skips_everywhere": partial(nonfinite_shard_case, world),
@@ -172,6 +177,8 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "ddp_process_group_bf16_comm": partial(ddp_case, world, torch.bfloat16, TRAINED_BF16_ATOL),
         "shard0_bf16_comm_default": partial(dtensor_case, (world,), [Shard(0)], atol=BF16_ATOL, comm_dtype=None),
     }
+    if LONE_STRIDED_SHARD_ACCEPTED:
+        cases["strided_shard1_1d"] = partial(dtensor_case, (world,), [_StridedShard(1, split_factor=2)])
     if world == 4:
         cases["mesh2x2_strided_shard0_shard0"] = partial(dtensor_case, (2, 2), [_StridedShard(0, split_factor=2),
                                                                                 Shard(0)])

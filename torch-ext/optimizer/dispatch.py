@@ -23,9 +23,13 @@ BACKENDS: tuple[str, ...] = ("torch", "cpu", "cuda", "triton")
 # Below these sizes of the Gram matrix (rows of the wide-oriented X), the full BLAS product wins: a symmetric kernel
 # saves half the multiply-adds, but small tiles run below the BLAS's peak. Measured with `make bench` (README).
 CPU_MIN_ROWS = 512
-# Not yet measured on a GPU (no GPU run so far): published symmetric kernels (flash-muon, modded-nanogpt) beat cuBLAS
-# from a few thousand rows; until measured, only the largest products leave cuBLAS.
-CUDA_MIN_ROWS = 4096
+# Rows from which the Triton kernels beat cuBLAS, per CUDA capability, from `make bench` on the GPU
+# (benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-23.md). On an H100 Triton's 5-step Newton-Schulz ran 1.02-1.15x
+# as fast as cuBLAS's at 8192 rows, at parity at 4096 (1.02-1.03x, within the noise, so cuBLAS keeps it) and at
+# 0.3-0.5x below. A capability not listed has not been measured and keeps cuBLAS, so the automatic choice is never
+# slower than cuBLAS where nobody looked. The compiled CUDA op (WMMA tiles, no wgmma) ran its Gram products at
+# 0.15-0.40x of cuBLAS's speed at every size on the H100: it is never chosen automatically (backend="cuda" forces it).
+TRITON_MIN_ROWS: dict[tuple[int, int], int] = {(9, 0): 8192}
 
 _COMPILED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,17 +68,27 @@ def check_backend(backend: str, dtype: torch.dtype, device: torch.device) -> Non
 
 
 def kernel_choice(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str) -> str:
-    """The backend `gram` and `zeropower` use for a matrix (or batch of matrices) of `shape` when none is given."""
+    """The backend `gram` and `zeropower` use for a matrix (or batch of matrices) of `shape` when none is given.
+
+    rows = min(shape[-2:]), the side of the Gram matrix. On CPUs: "cpu" (the compiled symmetric op) for float32 and
+    float64 from CPU_MIN_ROWS rows, else "torch". On CUDA GPUs: "triton" for bfloat16 and float16 from
+    TRITON_MIN_ROWS[capability] rows on the capabilities measured faster there (sm_90: 8192), else "torch"
+    (cuBLAS). The compiled "cuda" op is never chosen here; pass backend="cuda" to use it.
+    """
     device = torch.device(device)
     rows = min(shape[-2:])
     if (device.type == "cpu" and rows >= CPU_MIN_ROWS and dtype in _CPU_FAST_DTYPES
             and _unavailable_reason("cpu", dtype, device) is None):
         return "cpu"
-    if device.type == "cuda" and rows >= CUDA_MIN_ROWS:
-        for backend in ("triton", "cuda"):
-            if dtype in (torch.bfloat16, torch.float16) and _unavailable_reason(backend, dtype, device) is None:
-                return backend
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        min_rows = TRITON_MIN_ROWS.get(cuda_capability(device))
+        if min_rows is not None and rows >= min_rows and _unavailable_reason("triton", dtype, device) is None:
+            return "triton"
     return "torch"
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
 
 
 def resolve_backend(X: Tensor, backend: str | None) -> str:
@@ -90,7 +104,7 @@ def symmetric_gram(X: Tensor, backend: str) -> Tensor:
     if backend == "torch":
         return X @ X.mT
     if backend == "triton":
-        return xxt(X)
+        return xxt(X, exact_fp32=_exact_fp32())
     out = torch.empty((*X.shape[:-1], X.shape[-2]), dtype=X.dtype, device=X.device)
     return native.symmetric_gram_(out, X)
 
@@ -101,8 +115,15 @@ def symmetric_polynomial(A: Tensor, b: float, c: float, backend: str) -> Tensor:
         add_matmul = torch.addmm if A.ndim == 2 else torch.baddbmm
         return add_matmul(A, A, A, beta=b, alpha=c)
     if backend == "triton":
-        return ba_plus_caa(A, b, c)
+        return ba_plus_caa(A, b, c, exact_fp32=_exact_fp32())
     return native.symmetric_gram_(torch.empty_like(A, memory_format=torch.contiguous_format), A, A, c, b)
+
+
+def _exact_fp32() -> bool:
+    """float32 products as torch.mm makes them: full precision unless the user allowed TF32
+    (`torch.set_float32_matmul_precision("high")`). On an H100 Triton's TF32 Gram erred 2.2x more than cuBLAS's TF32
+    (benchmarks/results/), so TF32 is taken only when asked for."""
+    return torch.get_float32_matmul_precision() == "highest"
 
 
 def gram(X: Tensor, backend: str | None = None) -> Tensor:

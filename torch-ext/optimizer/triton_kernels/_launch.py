@@ -24,16 +24,53 @@ INTERPRETER_BLOCK_K = 128
 
 
 def symmetric_tile_configs() -> list[triton.Config]:
-    """Square output tiles (BLOCK_M x BLOCK_M) and a K step; a mirror needs square tiles."""
+    """Square output tiles (BLOCK_M x BLOCK_M) and a K step; a mirror needs square tiles. The first three are the
+    candidates; the last two are for when none of them fits the GPU's shared memory (fp32 operands, small GPUs)."""
     if INTERPRETER:
         return [triton.Config({"BLOCK_M": INTERPRETER_BLOCK_M, "BLOCK_K": INTERPRETER_BLOCK_K})]
     return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        # What the autotuner chose on an H100 from 4096 rows on (benchmarks/results/), and a 4-warp variant.
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
-        # Small Gram matrices have few lower tiles: smaller tiles keep more SMs busy.
+        # Small Gram matrices have few lower tiles: smaller tiles keep more SMs busy (chosen below 4096 rows there).
         triton.Config({"BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2),
     ]
+
+
+_CANDIDATES = 3
+# From this many rows even 128-row tiles give every SM of a large GPU several lower tiles, so the autotuner does not
+# compile and time the small-tile config there.
+SMALL_TILES_BELOW_ROWS = 4096
+
+
+# Headroom for the epilogue, whose transposed store goes through shared memory.
+EPILOGUE_SHARED_BYTES = 16 * 1024
+
+
+def _operand_bytes(config: triton.Config, element_size: int) -> int:
+    """Shared memory the software pipeline stages: both K slices, once per stage."""
+    return 2 * config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_K"] * element_size * config.num_stages
+
+
+def _max_shared_memory() -> int:
+    device = torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+def prune_tile_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The candidates whose pipeline fits this GPU's shared memory (else the fallbacks that fit), without the small
+    tiles for large Gram matrices."""
+    element_size = next(arg.element_size() for arg in named_args.values() if isinstance(arg, Tensor))
+    limit = _max_shared_memory() - EPILOGUE_SHARED_BYTES
+    fitting = [(index, config) for index, config in enumerate(configs)
+               if _operand_bytes(config, element_size) <= limit]
+    candidates = ([config for index, config in fitting if index < _CANDIDATES]
+                  or [config for _, config in fitting] or configs[-1:])
+    if named_args["M"] >= SMALL_TILES_BELOW_ROWS:
+        candidates = [config for config in candidates if config.kwargs["BLOCK_M"] >= 128] or candidates
+    return candidates
 
 
 def check_operand(name: str, operand: Tensor, *, square: bool) -> None:

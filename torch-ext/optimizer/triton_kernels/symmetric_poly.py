@@ -8,11 +8,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import as_batched, check_operand, dot_flags, gram_output, lower_tile_grid, symmetric_tile_configs
+from ._launch import (as_batched, check_operand, dot_flags, gram_output, lower_tile_grid, prune_tile_configs,
+                      symmetric_tile_configs)
 from ._tiling import gram_tile, load_tile_fp32, lower_tile_coords, store_mirrored
 
 
-@triton.autotune(configs=symmetric_tile_configs(), key=["M"])
+@triton.autotune(configs=symmetric_tile_configs(), key=["M"],
+                 prune_configs_by={"early_config_prune": prune_tile_configs})
 @triton.jit
 def _ba_plus_caa_lower_kernel(
     a_ptr,

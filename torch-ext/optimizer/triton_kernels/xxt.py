@@ -6,11 +6,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import as_batched, check_operand, dot_flags, gram_output, lower_tile_grid, symmetric_tile_configs
+from ._launch import (as_batched, check_operand, dot_flags, gram_output, lower_tile_grid, prune_tile_configs,
+                      symmetric_tile_configs)
 from ._tiling import gram_tile, lower_tile_coords, store_mirrored
 
 
-@triton.autotune(configs=symmetric_tile_configs(), key=["M", "K"])
+@triton.autotune(configs=symmetric_tile_configs(), key=["M", "K"],
+                 prune_configs_by={"early_config_prune": prune_tile_configs})
 @triton.jit
 def _xxt_lower_kernel(
     x_ptr,

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything a GPU machine should run, one command: build the CUDA variant against the machine's own torch, run the
+# whole test suite with the CUDA cases and compiled Triton, the GPU correctness checks, the demo on the GPU and the
+# benchmarks. OUTDIR/summary.txt gets the machine's description and one line per stage, OUTDIR/<stage>.log each
+# stage's output; the correctness table and the benchmark table land in OUTDIR too (eight files in all).
+#   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,bench,check,demo,test)
+set -uo pipefail
+out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [build,bench,check,demo,test]}")
+stages=",${2:-build,bench,check,demo,test},"
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+PY=${PYTHON:-python3}
+# Compiled Triton, not the interpreter the CPU test runs use; the local build only, never the Hub.
+export TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+status=0
+
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  [[ $stages == *",$name,"* ]] || return 0
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+  tail -n 4 "$out/$name.log"
+  [[ $rc == 0 ]] || status=1
+}
+
+environment() {
+  nvidia-smi
+  "$PY" -c 'import torch, triton, kernels; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton",
+triton.__version__, "kernels", kernels.__version__, torch.cuda.get_device_name(),
+torch.cuda.get_device_capability())'
+  command -v nvcc && nvcc --version | tail -n 2
+}
+
+environment >>"$out/summary.txt" 2>&1
+stage build 400 "$PY" tools/build.py
+stage bench 400 "$PY" benchmarks/bench.py --sections gram,zeropower,step --results-dir "$out"
+stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
+stage demo 120 "$PY" examples/train_gpt.py --device cuda --out "${TMPDIR:-/tmp}/optimizer-demo"
+# pytest-xdist, where installed, compiles the Triton kernels of several test files at once; one file per worker
+# keeps each distributed file's spawned ranks together.
+xdist=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4 --dist loadfile")
+stage test 500 "$PY" -m pytest -q -p no:cacheprovider --durations=15 $xdist tests
+exit $status
