@@ -2,8 +2,9 @@
 C++ side against the installed torch's headers (syntax only: a CPU torch has no CUDA libraries to link against).
 
 The command lines come from tools/build.py, so this checks what `make build` would run on a CUDA machine. Beyond
-compiling, two things can be checked without a GPU: the PTX of the Gram kernels uses the instructions their design
-rests on, and the Gram kernels' tile walk (host-callable) visits exactly the lower triangle.
+compiling, three things can be checked without a GPU: the PTX of the Gram kernels uses the instructions their design
+rests on, the sm_75 PTX uses none that a T4 lacks, and the Gram kernels' tile walk (host-callable) visits exactly the
+lower triangle.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ CUDA_CPP_SOURCES = ["muon_momentum_cuda.cpp", "symmetric_gram_cuda.cpp", "torch_
 
 # Extra commands, keyed apart from the source names.
 GRAM_PTX = "symmetric_gram.cu -> ptx"
+GRAM_PTX_SM75 = "symmetric_gram.cu -> ptx for sm_75"
 TILE_WALK = "tile walk program"
 
 # A host program around the Gram kernels' lower_tile_coords (the .cu is included, so the function under test is the
@@ -86,6 +88,8 @@ def compiled(build_tool: ModuleType, tmp_path_factory: pytest.TempPathFactory) -
     gram_source = build_tool.REPO_ROOT / "kernels-src" / "cuda" / "symmetric_gram.cu"
     commands[GRAM_PTX] = [build_tool.nvcc_path(), "-std=c++17", "-O3", "-arch=compute_80", "-ptx", str(gram_source),
                           "-o", str(objects / "symmetric_gram.ptx")]
+    commands[GRAM_PTX_SM75] = [build_tool.nvcc_path(), "-std=c++17", "-O3", "-arch=compute_75", "-ptx",
+                               str(gram_source), "-o", str(objects / "symmetric_gram_sm75.ptx")]
     (objects / "tile_walk.cu").write_text(TILE_WALK_SOURCE)
     commands[TILE_WALK] = [build_tool.nvcc_path(), "-std=c++17", "-O2", "-arch=compute_80",
                            f"-I{gram_source.parent}", str(objects / "tile_walk.cu"), "-o", str(objects / "tile_walk")]
@@ -106,7 +110,7 @@ def result_of(compiled: Compiled, source: str) -> subprocess.CompletedProcess[st
 def test_kernels_compile_for_every_capability(compiled: Compiled, build_tool: ModuleType, source: str) -> None:
     # One nvcc run builds a cubin per capability and fails if any of them does not compile.
     result = result_of(compiled, source)
-    for capability in build_tool.read_config().cuda_capabilities:
+    for capability in build_tool.buildable_capabilities(build_tool.read_config()):
         assert f"code=sm_{capability.replace('.', '')}" in " ".join(compiled.commands[source])
     assert result.returncode == 0, result.stderr
     assert (compiled.objects / f"{source}.o").stat().st_size > 0
@@ -129,6 +133,24 @@ def test_gram_kernels_use_tensor_cores_and_async_copies(compiled: Compiled) -> N
     assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group 1" in ptx
     # The fp32 path stays IEEE fp32: TF32 would show as cvt.rna.tf32 conversions or tf32 mma operands.
     assert "fma.rn.f32" in ptx and "tf32" not in ptx
+
+
+def test_gram_kernels_for_a_t4_use_only_what_sm75_has(compiled: Compiled) -> None:
+    # sm_75 (T4: Colab, Kaggle) has fp16 tensor cores but neither bf16 WMMA fragments nor cp.async: its code must
+    # not contain them, and the bf16 / async kernels there are stubs that trap (the host never launches them).
+    result = compiled.results[GRAM_PTX_SM75]
+    assert result.returncode == 0, result.stderr
+    ptx = (compiled.objects / "symmetric_gram_sm75.ptx").read_text()
+    assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.f32" in ptx
+    assert ".bf16" not in ptx and "cp.async" not in ptx
+    assert "trap;" in ptx
+
+
+def test_declared_capabilities_cover_the_gpus_users_have(build_tool: ModuleType) -> None:
+    # T4 (7.5), A100 (8.0), RTX 30/A10 (8.6), L4/RTX 40 (8.9), H100 (9.0), B200 (10.0), RTX 50 (12.0). The loader
+    # accepts a variant only for capabilities its metadata lists (kernels.archs), so each must be declared.
+    declared = set(build_tool.read_config().cuda_capabilities)
+    assert {"7.5", "8.0", "8.6", "8.9", "9.0", "10.0", "12.0"} <= declared
 
 
 def test_gram_tile_walk_visits_exactly_the_lower_triangle(compiled: Compiled) -> None:

@@ -110,3 +110,13 @@ def test_triton_float32_products_follow_torch_matmul_precision(monkeypatch: pyte
     finally:
         torch.set_float32_matmul_precision(previous)
     assert seen == [exact, exact]
+
+
+def test_gpu_kernels_refuse_bfloat16_below_sm80(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A T4 (7.5) has fp16 tensor cores only: forcing a GPU kernel in bf16 there is a clear error, fp16 runs.
+    monkeypatch.setattr(native, "has_compiled_symmetric_gram", lambda device_type: True)
+    monkeypatch.setattr(dispatch, "cuda_capability", lambda device: (7, 5))
+    for backend in ("cuda", "triton"):
+        with pytest.raises(RuntimeError, match=rf"backend='{backend}'.*compute capability 8\.0.*7\.5"):
+            dispatch.check_backend(backend, torch.bfloat16, torch.device("cuda"))
+        dispatch.check_backend(backend, torch.float16, torch.device("cuda"))

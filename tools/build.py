@@ -236,17 +236,32 @@ class Extension:
         return CACHE_DIR / f"{self.name}.abi3.so"
 
 
+def nvcc_capabilities() -> set[str]:
+    """The capabilities the local nvcc compiles for (`nvcc --list-gpu-arch`: compute_75 ... compute_120)."""
+    listing = subprocess.run([nvcc_path(), "--list-gpu-arch"], capture_output=True, text=True, check=True).stdout
+    return {f"{int(arch) // 10}.{int(arch) % 10}" for arch in
+            (line.strip().removeprefix("compute_") for line in listing.splitlines()) if arch.isdigit()}
+
+
+def buildable_capabilities(config: KernelConfig) -> tuple[str, ...]:
+    """build.toml's capabilities that this CUDA toolkit supports, as kernel-builder intersects them per CUDA version
+    (10.0 and 12.0 need CUDA 12.8 or newer)."""
+    supported = nvcc_capabilities()
+    return tuple(capability for capability in config.cuda_capabilities if capability in supported)
+
+
 def plan_extension(config: KernelConfig, backend: str) -> Extension:
     sources = (*config.torch_sources, *config.kernel_sources[backend])
     command_lines = cxx_flags(backend) + link_flags(backend)
+    capabilities = buildable_capabilities(config) if backend == "cuda" else ()
     if backend == "cuda":
-        command_lines += nvcc_flags(config.cuda_capabilities)
+        command_lines += nvcc_flags(capabilities)
     # Everything that changes the binary: sources, generated header, flags and the torch it is built against.
     digest = short_digest([
         *files_digest_parts(sources), REGISTRATION_HEADER.encode(), " ".join(command_lines).encode(),
         torch.__version__.encode(), str(torch.version.cuda).encode(),
     ])
-    return Extension(f"_{config.python_name}_{backend}_{digest}", backend, sources, config.cuda_capabilities)
+    return Extension(f"_{config.python_name}_{backend}_{digest}", backend, sources, capabilities)
 
 
 def compile_command(extension: Extension, source: Path, obj: Path) -> list[str]:
@@ -358,7 +373,7 @@ def build_arch(config: KernelConfig, backend: str, variant_name: str, package_di
     cached = extension.library.exists()
     compile_extension(extension)
     kernel_id = f"_{config.python_name}_{backend}_{short_digest([extension.name.encode(), *package_digest_parts])}"
-    archs = config.cuda_capabilities if backend == "cuda" else ()
+    archs = extension.cuda_capabilities
     changed = write_variant(config, variant_name, metadata(config, kernel_id, backend, archs),
                             ops_module(extension.name, extension.name), extension.library)
     state = "unchanged" if not changed else "cached library" if cached else "compiled"

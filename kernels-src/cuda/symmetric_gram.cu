@@ -5,12 +5,14 @@
 //
 // Two kernels, one per math line:
 //   bf16 / fp16:  tensor cores (WMMA 16x16x16, fp32 accumulators), 128 x 128 CTA tiles, K slices of 32 staged
-//                 through shared memory, double-buffered with cp.async where the rows are 16-byte aligned.
+//                 through shared memory, double-buffered with cp.async where the rows are 16-byte aligned and the
+//                 GPU has it (sm_80+; on sm_75 fp16 only, with plain copies).
 //   fp32 / fp64:  CUDA-core FMA in the input's own precision (no TF32) on 64 x 64 CTA tiles, 4 x 4 outputs per thread.
 // Both share the tile walk (lower_tile_coords) and the epilogue (store_lower_and_mirror).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -238,7 +240,7 @@ __device__ void multiply_slice(Accumulator (&acc)[kFragsM][kFragsN], const T* le
 }
 
 template <typename T, bool kAsync>
-__global__ void __launch_bounds__(kThreads) gram_kernel(GramArgs<T> args) {
+__device__ void gram_tiles(const GramArgs<T>& args) {
   static_assert(sizeof(T) == kElementBytes, "the shared memory plan is for 16-bit inputs");
   namespace wmma = nvcuda::wmma;
   __shared__ __align__(128) unsigned char shared[kSharedBytes];
@@ -277,13 +279,17 @@ __global__ void __launch_bounds__(kThreads) gram_kernel(GramArgs<T> args) {
       if (steps > 0) {
         load_step(0);
       }
-      commit_async_copies();
+      if constexpr (kAsync) {
+        commit_async_copies();
+      }
       for (int64_t step = 0; step < steps; ++step) {
         if (step + 1 < steps) {
           load_step(step + 1);
         }
-        commit_async_copies();  // possibly empty, so that "all but the newest group" always means this step's
-        wait_async_copies<1>();
+        if constexpr (kAsync) {
+          commit_async_copies();  // possibly empty, so that "all but the newest group" always means this step's
+          wait_async_copies<1>();
+        }
         __syncthreads();
         multiply_slice(acc, left_slice(step), right_slice(step), warp_row, warp_col);
         __syncthreads();  // the next iteration's copies overwrite this buffer
@@ -309,14 +315,42 @@ __global__ void __launch_bounds__(kThreads) gram_kernel(GramArgs<T> args) {
   }
 }
 
+// bf16 WMMA fragments and cp.async exist from sm_80 on. The fatbinary also carries code for sm_75 (T4), where only
+// the fp16 kernel with plain copies is compiled; launch() never starts the others there, and the op refuses bf16 on
+// such a GPU before it gets here (symmetric_gram_cuda.cpp).
+template <typename T, bool kAsync>
+constexpr bool kNeedsSm80 = kAsync || std::is_same_v<T, __nv_bfloat16>;
+
+template <typename T, bool kAsync>
+__global__ void __launch_bounds__(kThreads) gram_kernel(GramArgs<T> args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  if constexpr (kNeedsSm80<T, kAsync>) {
+    __trap();
+  } else {
+    gram_tiles<T, kAsync>(args);
+  }
+#else
+  gram_tiles<T, kAsync>(args);
+#endif
+}
+
 bool is_16_byte_aligned(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+int current_device_major_capability() {
+  int device = 0;
+  int major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  return major;
+}
 
 template <typename T>
 void launch(const GramArgs<T>& args, cudaStream_t stream) {
   constexpr int64_t kPerCopy = 16 / sizeof(T);
   const bool aligned_rows = is_16_byte_aligned(args.x) && args.x_layout.row_stride % kPerCopy == 0 &&
                             args.x_layout.batch_stride % kPerCopy == 0 && args.depth % kPerCopy == 0;
-  const auto kernel = aligned_rows ? gram_kernel<T, true> : gram_kernel<T, false>;
+  const bool async_copies = aligned_rows && current_device_major_capability() >= 8;
+  const auto kernel = async_copies ? gram_kernel<T, true> : gram_kernel<T, false>;
   kernel<<<gram_grid(args.rows, args.batch, kTile), kThreads, 0, stream>>>(args);
 }
 

@@ -23,12 +23,26 @@ muon_cuda::MatrixLayout layout_of(const at::Tensor& tensor) {
   return {tensor.dim() == 3 ? tensor.stride(0) : 0, tensor.stride(-2)};
 }
 
+// bf16 tensor-core products (WMMA bf16 fragments) exist from compute capability 8.0 on.
+void check_bfloat16_tensor_cores(muon_cuda::DType dtype, c10::DeviceIndex device) {
+  if (dtype != muon_cuda::DType::kBFloat16) {
+    return;
+  }
+  int major = 0;
+  int minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  TORCH_CHECK(major >= 8, "symmetric_gram_: bfloat16 needs compute capability 8.0 or newer (bf16 tensor cores); "
+              "this GPU has ", major, ".", minor, ". Use float16 or float32 there.");
+}
+
 }  // namespace
 
 void symmetric_gram_cuda(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C, double alpha,
                          double beta) {
   const muon_cuda::DType dtype = muon_cuda::launch_dtype(X.scalar_type(), "symmetric_gram_: X");
   const c10::cuda::CUDAGuard device_guard(X.device());
+  check_bfloat16_tensor_cores(dtype, X.device().index());
   const at::Tensor x = with_unit_row_stride(X);
   const std::optional<at::Tensor> c = C.has_value() ? std::optional(with_unit_row_stride(*C)) : std::nullopt;
   const int64_t batch = x.dim() == 3 ? x.size(0) : 1;

@@ -49,7 +49,7 @@ def _unavailable_reason(backend: str, dtype: torch.dtype, device: torch.device) 
             return f"this build has no compiled {backend} kernel ({native.ops_summary()})"
         if dtype not in _COMPILED_DTYPES:
             return f"it does not support {dtype}"
-        return None
+        return _bfloat16_unsupported(dtype, device)
     if backend == "triton":
         if not TRITON_AVAILABLE:
             return "Triton is not installed"
@@ -57,8 +57,17 @@ def _unavailable_reason(backend: str, dtype: torch.dtype, device: torch.device) 
             return f"Triton kernels need a GPU tensor and this one is on {device}"
         if dtype not in _TRITON_DTYPES:
             return f"it does not support {dtype}"
-        return None
+        return _bfloat16_unsupported(dtype, device)
     return f"it is not one of {', '.join(BACKENDS)}"
+
+
+def _bfloat16_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why bf16 tensor-core products cannot run on this GPU (below compute capability 8.0: T4, V100), or None."""
+    capability = cuda_capability(device) if device.type == "cuda" else None
+    if dtype == torch.bfloat16 and capability is not None and capability < (8, 0):
+        return (f"bfloat16 tensor cores need compute capability 8.0 or newer and this GPU has "
+                f"{capability[0]}.{capability[1]}")
+    return None
 
 
 def check_backend(backend: str, dtype: torch.dtype, device: torch.device) -> None:
