@@ -41,7 +41,6 @@ GPT2_BLOCKS = 12
 LLAMA3_8B_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096),
                    (4096, 14336)]
 LLAMA3_8B_VECTORS = [4096, 4096]
-BACKENDS = ("cpu", "cuda", "triton", "torch")
 # Gram sizes at which NVIDIA Emerging-Optimizers' Triton SYRK is measured beside ours (its autotuning is long).
 EMERGING_SYRK_SIZES = (8192,)
 # Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s), printed beside the measured torch.mm rate.
@@ -110,7 +109,7 @@ def bench_gram(optimizer, device: torch.device, dtype: torch.dtype, shapes: list
         baseline = median_ms(lambda: torch.mm(X, X.T), device, repeats)
         case = f"{m}x{k} {str(dtype).removeprefix('torch.')}"
         rows.append(Row("gram", case, "torch.mm(X, X.T)", baseline, gram_flop(m, k), baseline))
-        backends = [b for b in ("cpu", "cuda", "triton") if _runs(optimizer, X, b)]
+        backends = [b for b in _dispatch(optimizer).available_backends(dtype, device) if b != "torch"]
         for backend in backends:
             ms = median_ms(lambda: optimizer.gram(X, backend=backend), device, repeats)
             rows.append(Row("gram", case, f"gram backend={backend}", ms, gram_flop(m, k), baseline))
@@ -133,12 +132,8 @@ def _emerging_syrk_rows(X: torch.Tensor, case: str, baseline: float, repeats: in
     return [Row("gram", case, "emerging-optimizers tsyrk_ex", ms, gram_flop(m, k), baseline)]
 
 
-def _runs(optimizer, X: torch.Tensor, backend: str) -> bool:
-    try:
-        optimizer.gram(X[:2, :2].contiguous(), backend=backend)
-    except RuntimeError:
-        return False
-    return True
+def _dispatch(optimizer):
+    return importlib.import_module(f"{optimizer.__name__}.dispatch")
 
 
 def bench_zeropower(optimizer, device: torch.device, ns_dtype: torch.dtype, shapes: list[tuple[int, int]],
@@ -156,7 +151,7 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtype: torch.dtype, shap
         baseline = median_ms(lambda: reference(G, coefficients, 5, 1e-7), device, repeats)
         case = f"{m}x{n} 5 steps"
         rows.append(Row("zeropower", case, name, baseline, flop, baseline))
-        backends = [b for b in BACKENDS if _runs(optimizer, G.to(ns_dtype), b)] + [None]
+        backends = [*_dispatch(optimizer).available_backends(ns_dtype, device), None]
         for backend in backends:
             label = f"zeropower {str(ns_dtype).removeprefix('torch.')} " + (
                 f"backend={backend}" if backend else f"auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})")

@@ -63,25 +63,13 @@ def symmetric_error(out: torch.Tensor, ref: torch.Tensor, backend: str) -> float
     return relative_error(out, ref)
 
 
-def backends_here(optimizer, dtype: torch.dtype) -> list[str]:
-    X = torch.randn(4, 4, device="cuda", dtype=dtype)
-    usable = []
-    for backend in ("torch", "cuda", "triton"):
-        try:
-            optimizer.gram(X, backend=backend)
-        except RuntimeError:
-            continue
-        usable.append(backend)
-    return usable
-
-
 def check_gram(optimizer, dispatch, dtype: torch.dtype, generator: torch.Generator) -> list[Check]:
     checks = []
     for shape in GRAM_SHAPES:
         X = torch.randn(shape, generator=generator, device="cuda").to(dtype)
         ref = X.double() @ X.double().mT
         cublas = relative_error(X @ X.mT, ref)
-        for backend in backends_here(optimizer, dtype):
+        for backend in dispatch.available_backends(dtype, "cuda"):
             out = dispatch.symmetric_gram(X, backend)
             checks.append(Check("gram X Xᵀ", f"{shape} {dtype}", backend, symmetric_error(out, ref, backend),
                                 bar(cublas, dtype)))
@@ -98,21 +86,21 @@ def check_polynomial(optimizer, dispatch, dtype: torch.dtype, generator: torch.G
         Ad = A.double()
         ref = b * Ad + c * (Ad @ Ad)
         cublas = relative_error(dispatch.symmetric_polynomial(A, b, c, "torch"), ref)
-        for backend in backends_here(optimizer, dtype):
+        for backend in dispatch.available_backends(dtype, "cuda"):
             out = dispatch.symmetric_polynomial(A, b, c, backend)
             checks.append(Check("b·A + c·A²", f"{size} {dtype}", backend, symmetric_error(out, ref, backend),
                                 bar(cublas, dtype)))
     return checks
 
 
-def check_newton_schulz(optimizer, dtype: torch.dtype, generator: torch.Generator) -> list[Check]:
+def check_newton_schulz(optimizer, dispatch, dtype: torch.dtype, generator: torch.Generator) -> list[Check]:
     """Five Polar Express steps in `dtype` on every backend against the same five steps in float64."""
     checks = []
     for shape in NS_SHAPES:
         G = torch.randn(shape, generator=generator, device="cuda")
         ref = optimizer.zeropower(G.double(), 5, dtype=torch.float64, backend="torch")
         cublas = relative_error(optimizer.zeropower(G, 5, dtype=dtype, backend="torch"), ref)
-        for backend in backends_here(optimizer, dtype):
+        for backend in dispatch.available_backends(dtype, "cuda"):
             out = optimizer.zeropower(G, 5, dtype=dtype, backend=backend)
             checks.append(Check("zeropower 5 steps", f"{shape} {dtype}", backend, relative_error(out, ref),
                                 bar(cublas, dtype)))
@@ -184,7 +172,7 @@ def main() -> None:
     for dtype in DTYPES:
         checks += check_gram(optimizer, dispatch, dtype, generator)
         checks += check_polynomial(optimizer, dispatch, dtype, generator)
-        checks += check_newton_schulz(optimizer, dtype, generator)
+        checks += check_newton_schulz(optimizer, dispatch, dtype, generator)
     checks += check_polar_factor(optimizer, generator)
     checks += check_step_against_torch(optimizer, generator)
     props = torch.cuda.get_device_properties(0)

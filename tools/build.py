@@ -253,8 +253,9 @@ def buildable_capabilities(config: KernelConfig) -> tuple[str, ...]:
 def plan_extension(config: KernelConfig, backend: str) -> Extension:
     sources = (*config.torch_sources, *config.kernel_sources[backend])
     command_lines = cxx_flags(backend) + link_flags(backend)
-    capabilities = buildable_capabilities(config) if backend == "cuda" else ()
+    capabilities: tuple[str, ...] = ()
     if backend == "cuda":
+        capabilities = buildable_capabilities(config)
         command_lines += nvcc_flags(capabilities)
     # Everything that changes the binary: sources, generated header, flags and the torch it is built against.
     digest = short_digest([

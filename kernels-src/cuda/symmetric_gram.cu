@@ -336,20 +336,12 @@ __global__ void __launch_bounds__(kThreads) gram_kernel(GramArgs<T> args) {
 
 bool is_16_byte_aligned(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
-int current_device_major_capability() {
-  int device = 0;
-  int major = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  return major;
-}
-
 template <typename T>
-void launch(const GramArgs<T>& args, cudaStream_t stream) {
+void launch(const GramArgs<T>& args, int capability_major, cudaStream_t stream) {
   constexpr int64_t kPerCopy = 16 / sizeof(T);
   const bool aligned_rows = is_16_byte_aligned(args.x) && args.x_layout.row_stride % kPerCopy == 0 &&
                             args.x_layout.batch_stride % kPerCopy == 0 && args.depth % kPerCopy == 0;
-  const bool async_copies = aligned_rows && current_device_major_capability() >= 8;
+  const bool async_copies = aligned_rows && capability_major >= 8;
   const auto kernel = async_copies ? gram_kernel<T, true> : gram_kernel<T, false>;
   kernel<<<gram_grid(args.rows, args.batch, kTile), kThreads, 0, stream>>>(args);
 }
@@ -461,7 +453,7 @@ GramArgs<T> gram_args(void* out, MatrixLayout out_layout, const void* x, MatrixL
 
 void launch_symmetric_gram(void* out, MatrixLayout out_layout, const void* x, MatrixLayout x_layout, const void* c,
                            MatrixLayout c_layout, DType dtype, int64_t batch, int64_t rows, int64_t depth,
-                           double alpha, double beta, cudaStream_t stream) {
+                           double alpha, double beta, int capability_major, cudaStream_t stream) {
   if (batch == 0 || rows == 0) {
     return;
   }
@@ -477,10 +469,11 @@ void launch_symmetric_gram(void* out, MatrixLayout out_layout, const void* x, Ma
     case DType::kBFloat16:
       return tensor_core::launch(gram_args<__nv_bfloat16>(out, out_layout, x, x_layout, c_term, c_layout, batch, rows,
                                                           depth, alpha, beta),
-                                 stream);
+                                 capability_major, stream);
     case DType::kFloat16:
       return tensor_core::launch(
-          gram_args<__half>(out, out_layout, x, x_layout, c_term, c_layout, batch, rows, depth, alpha, beta), stream);
+          gram_args<__half>(out, out_layout, x, x_layout, c_term, c_layout, batch, rows, depth, alpha, beta),
+          capability_major, stream);
   }
 }
 

@@ -20,9 +20,10 @@ struct MatrixLayout {
 // Only lower tiles are computed; each is stored at its own place and transposed at its mirror, so out is exactly
 // symmetric. c (nullptr when absent, and then beta is unused) is read on and below the diagonal only, each element
 // just before out's element at the same place is written: c may be out itself, but must not partly overlap it.
-// beta == 0 drops the c term, as torch's addmm does, so NaN or Inf in c never reach out.
+// beta == 0 drops the c term, as torch's addmm does, so NaN or Inf in c never reach out. capability_major is the
+// current device's: bf16 needs 8 or more (the caller checks), and cp.async copies are used from 8 on.
 void launch_symmetric_gram(void* out, MatrixLayout out_layout, const void* x, MatrixLayout x_layout, const void* c,
                            MatrixLayout c_layout, DType dtype, int64_t batch, int64_t rows, int64_t depth,
-                           double alpha, double beta, cudaStream_t stream);
+                           double alpha, double beta, int capability_major, cudaStream_t stream);
 
 }  // namespace muon_cuda

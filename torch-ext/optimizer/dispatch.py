@@ -70,6 +70,12 @@ def _bfloat16_unsupported(dtype: torch.dtype, device: torch.device) -> str | Non
     return None
 
 
+def available_backends(dtype: torch.dtype, device: torch.device | str) -> list[str]:
+    """The backends that can compute products of this dtype on this device here, in BACKENDS order."""
+    device = torch.device(device)
+    return [backend for backend in BACKENDS if _unavailable_reason(backend, dtype, device) is None]
+
+
 def check_backend(backend: str, dtype: torch.dtype, device: torch.device) -> None:
     reason = _unavailable_reason(backend, dtype, device)
     if reason is not None:
