@@ -27,4 +27,4 @@ bench: build
 	$(PY) benchmarks/bench.py
 
 clean:
-	rm -rf build
+	rm -rf build .build-cache

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import shutil
 import subprocess
 import sys
-import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from kernels.variants import get_variants_local, resolve_variant
 from kernel_under_test import BUILD_DIR, load_cpu_variant, load_fallback_variant, optimizer, submodule
 
 REPO_ROOT = BUILD_DIR.parent
-VARIANT_DIRS = sorted(path for path in BUILD_DIR.iterdir() if path.is_dir() and not path.name.startswith("."))
+VARIANT_DIRS = sorted(BUILD_DIR.iterdir())
 HAS_CUDA_BUILD = torch.version.cuda is not None and shutil.which("nvcc") is not None  # tools/build.py's condition
 
 
@@ -34,6 +36,12 @@ def test_build_toml_sources_exist(build_tool) -> None:
     assert set(config.kernel_sources) == set(config.backends)
 
 
+def test_build_dir_holds_only_variants_kernels_recognizes() -> None:
+    # Caches live in .build-cache/: build/ is what the Hub repository gets, nothing else.
+    recognized = {variant.variant_str for variant in get_variants_local(BUILD_DIR)}
+    assert {path.name for path in VARIANT_DIRS} == recognized
+
+
 def test_noarch_and_arch_variants_are_written() -> None:
     names = {path.name for path in VARIANT_DIRS}
     major, minor = torch.__version__.split(".")[:2]
@@ -47,9 +55,12 @@ def test_noarch_and_arch_variants_are_written() -> None:
 @pytest.mark.parametrize("variant_dir", VARIANT_DIRS, ids=lambda path: path.name)
 def test_variant_has_valid_metadata_and_package(variant_dir: Path) -> None:
     metadata = Metadata.read_from_file(variant_dir / "metadata.json")  # kernels' own reader: rejects bad fields
-    assert str(metadata.name) == "optimizer"
-    assert metadata.version == 1
-    assert metadata.license == "Apache-2.0"
+    general = tomllib.loads((REPO_ROOT / "build.toml").read_text())["general"]
+    assert str(metadata.name) == general["name"]
+    assert metadata.version == general["version"]
+    assert metadata.license == general["license"]
+    assert (metadata.upstream, metadata.source) == (general["upstream"], general["source"])
+    assert metadata.kernels_minver is not None
     assert metadata.python_depends == []
     expected_backend = Backend.CPU if "cpu" in variant_dir.name else Backend.CUDA
     assert metadata.backend.backend_type == expected_backend
@@ -62,6 +73,56 @@ def test_variant_has_valid_metadata_and_package(variant_dir: Path) -> None:
         assert len(libraries) == 1 and libraries[0].name.endswith(".abi3.so")
         extension = libraries[0].name.removesuffix(".abi3.so")
         assert f"from . import {extension}" in (variant_dir / "_ops.py").read_text()
+    # As kernel-builder names them: the op namespace is the id.
+    assert f"ops = torch.ops.{metadata.id}\n" in (variant_dir / "_ops.py").read_text()
+
+
+@pytest.mark.parametrize("variant_dir", VARIANT_DIRS, ids=lambda path: path.name)
+def test_variant_records_its_git_provenance(variant_dir: Path) -> None:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    provenance = Metadata.read_from_file(variant_dir / "metadata.json").provenance
+    assert provenance is not None and provenance.kernel is not None
+    assert provenance.kernel.commit == head.stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, check=True).stdout
+    assert provenance.kernel.dirty == bool(changed.strip())
+
+
+def test_kernels_info_shows_every_field() -> None:
+    kernels_cli = Path(sys.executable).parent / "kernels"  # the console script pip installed beside python
+    result = subprocess.run([str(kernels_cli), "info", "--json", str(REPO_ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    missing = [field for field in ("name", "version", "kernels_minver", "license", "upstream", "source")
+               if info.get(field) is None]
+    assert not missing, f"kernels info shows no {missing}"
+    assert info["backends"] == ["cpu", "cuda"]
+
+
+def test_cpu_kernels_are_compiled_with_openmp(build_tool) -> None:
+    # build.toml's cxx-flags reach the compiler: at::parallel_for then calls into libgomp instead of running inline.
+    config = build_tool.read_config()
+    assert all("-fopenmp" in config.source_cxx_flags[source] for source in config.kernel_sources["cpu"])
+    library = next((BUILD_DIR / build_tool.arch_variant_name("cpu")).glob("*.so"))
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", str(library)], capture_output=True, text=True,
+                               check=True).stdout
+    assert "GOMP_parallel" in undefined
+
+
+def test_get_kernel_loads_the_local_build_through_local_kernels() -> None:
+    # What a user's `get_kernel(repo_id, version=1)` does, pointed at this checkout: the Hub path minus the download.
+    repo_id = tomllib.loads((REPO_ROOT / "build.toml").read_text())["general"]["hub"]["repo-id"]
+    script = ("import kernels, sys; module = kernels.get_kernel(sys.argv[1], version=1, trust_remote_code=[sys.argv[1]]);"
+              " print(module.__file__); print(module.ops_summary())")
+    environment = {**os.environ, "LOCAL_KERNELS": f"{repo_id}={REPO_ROOT}", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script, repo_id], capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stderr
+    path, summary = result.stdout.splitlines()[-2:]
+    variant, _ = resolve_variant(get_variants_local(BUILD_DIR))
+    assert Path(path).resolve().is_relative_to((BUILD_DIR / variant.variant_str).resolve())
+    assert summary.startswith("compiled ops")
 
 
 def test_variant_ids_are_unique() -> None:
@@ -102,19 +163,27 @@ def test_op_schema_marks_mutated_arguments() -> None:
     assert written == {"momentum_buffers", "updates", "finite"}
 
 
-def test_unchanged_rebuild_reuses_everything(tmp_path: Path) -> None:
+def test_unchanged_rebuild_reuses_everything(tmp_path: Path, build_tool) -> None:
     # A copy of the sources with the warm library cache: the rebuild must compile nothing and take seconds.
     for name in ("build.toml", "tools", "torch-ext", "kernels-src"):
         source = REPO_ROOT / name
         (shutil.copytree if source.is_dir() else shutil.copy2)(source, tmp_path / name)
-    shutil.copytree(BUILD_DIR / ".cache", tmp_path / "build" / ".cache", ignore=shutil.ignore_patterns("lock"))
-    start = time.perf_counter()
+    cache = build_tool.CACHE_DIR.name
+    shutil.copytree(REPO_ROOT / cache, tmp_path / cache, ignore=shutil.ignore_patterns("lock"))
     result = subprocess.run([sys.executable, "tools/build.py"], cwd=tmp_path, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     arch_lines = [line for line in result.stdout.splitlines() if "compiled ops" in line]
     assert arch_lines and all(line.endswith("(cached library)") for line in arch_lines), result.stdout
-    # Importing torch dominates (about 3 s here); compiling the CPU op alone takes over 15 s on these 2 cores.
-    assert elapsed < 12, f"an unchanged rebuild took {elapsed:.1f} s"
-    built = sorted(path.name for path in (tmp_path / "build").iterdir() if not path.name.startswith("."))
+    built = sorted(path.name for path in (tmp_path / "build").iterdir())
     assert built == [path.name for path in VARIANT_DIRS]
+
+
+def test_noarch_only_build_needs_no_compiler(tmp_path: Path) -> None:
+    for name in ("build.toml", "tools", "torch-ext"):
+        source = REPO_ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, tmp_path / name)
+    environment = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no c++, no nvcc
+    result = subprocess.run([sys.executable, "tools/build.py", "--noarch-only"], cwd=tmp_path, capture_output=True,
+                            text=True, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert sorted(path.name for path in (tmp_path / "build").iterdir()) == ["torch-cpu", "torch-cuda"]

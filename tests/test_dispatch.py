@@ -13,6 +13,7 @@ from kernel_under_test import load_cpu_variant, submodule
 optimizer = load_cpu_variant()
 dispatch = submodule(optimizer, "dispatch")
 native = submodule(optimizer, "native")
+newton_schulz = submodule(optimizer, "newton_schulz")
 
 # Backends that can run on CPU tensors here: the compiled CPU op, and Triton under the interpreter (conftest sets
 # TRITON_INTERPRET=1 unless the run asks for compiled Triton on a GPU). The interpreter is slow per tile, so shapes
@@ -110,6 +111,20 @@ def test_triton_float32_products_follow_torch_matmul_precision(monkeypatch: pyte
     finally:
         torch.set_float32_matmul_precision(previous)
     assert seen == [exact, exact]
+
+
+def test_a_t4_gets_float16_and_a_kernel_that_runs_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Compute capability 7.5, as Colab's and Kaggle's free T4: the default Newton-Schulz dtype and the kernel chosen
+    # for it at every size must be one that check_backend accepts there (no bf16 tensor cores, no sm_80 code).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    device = torch.device("cuda")
+    dtype = newton_schulz.default_ns_dtype(device)
+    assert dtype == torch.float16
+    for rows in (64, 1024, 4096, 8192, 16384):
+        backend = optimizer.kernel_choice((rows, 2 * rows), dtype, device)
+        dispatch.check_backend(backend, dtype, device)
+        assert backend in dispatch.available_backends(dtype, device)
 
 
 def test_gpu_kernels_refuse_bfloat16_below_sm80(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -194,8 +194,26 @@ def test_default_ns_dtype():
     cpu_dtype = torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
     assert default_ns_dtype(torch.device("cpu")) == cpu_dtype
     assert default_ns_dtype("cpu") == cpu_dtype
-    assert default_ns_dtype(torch.device("cuda", 1)) == torch.bfloat16
     assert default_ns_dtype("xpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                                                  ((9, 0), torch.bfloat16), ((12, 0), torch.bfloat16)])
+def test_default_ns_dtype_on_gpus(monkeypatch: pytest.MonkeyPatch, capability, expected):
+    # A T4 (7.5) has float16 tensor cores only; bfloat16 products there run on the slow non-tensor-core path.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert default_ns_dtype(torch.device("cuda", 1)) == expected
+
+
+def test_float16_scales_before_the_cast():
+    # One element above float16's 65504: cast first, it becomes inf and the whole result NaN.
+    G = random_matrix(48, 80) * 100
+    G[1, 2] = 1e5
+    ours = zeropower(G, 8, "polar_express", dtype=torch.float16).double()
+    reference = zeropower(G.double(), 8, "polar_express", dtype=torch.float64)
+    assert torch.isfinite(ours).all()
+    assert spectral_norm(ours - reference) <= 100 * spectral_norm(reference.half().double() - reference)
 
 
 @pytest.mark.parametrize("kwargs, message", [

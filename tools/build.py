@@ -5,12 +5,17 @@ build.toml is the single source of truth for names and sources. Written into bui
                                            so every op takes the pure-PyTorch fallback
   torch<XY>-cxx11-cpu-<machine>-linux/     the package with the compiled CPU op
   torch<XY>-cxx11-cu<XYZ>-<machine>-linux/ the package with the compiled CUDA op (only with a CUDA torch and nvcc)
-Each compiled library is named after a hash of everything that went into it and kept in build/.cache, so an
-unchanged rebuild only copies files, and two builds of different code never share a name or an op namespace.
+build/ holds only variants, as the Hub repository does. Each compiled library is named after a hash of everything
+that went into it and kept in .build-cache/, so an unchanged rebuild only copies files, and two builds of different
+native code never share a name or an op namespace. The library's name is also the variant's metadata `id`, as in
+kernel-builder, where the op namespace and the id are one string.
+
+`--noarch-only` writes just the two noarch variants (the release workflow's job for them has no compiler).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -33,13 +38,16 @@ from torch.utils import cpp_extension
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILD_DIR = REPO_ROOT / "build"
-CACHE_DIR = BUILD_DIR / ".cache"  # a dot-folder: kernels' variant scan skips names it cannot parse
+CACHE_DIR = REPO_ROOT / ".build-cache"
 GENERATED_INCLUDE_DIR = CACHE_DIR / "include"
 LOCK_FILE = CACHE_DIR / "lock"
 
 # abi3 from CPython 3.9 on, as kernel-builder builds: one library serves every Python version.
 PY_LIMITED_API = "0x03090000"
 CXX_STANDARD = "-std=c++20"  # what torch 2.13's own extension builder uses
+# The loader's version floor written into metadata: 0.17.0 loaded this build through get_kernel + LOCAL_KERNELS
+# (checked by hand on 2026-11-23; the tests pin 0.17.2). Older releases were not tried.
+KERNELS_MINVER = "0.17.0"
 
 # kernel-builder generates this header for torch_binding.cpp: macros that expand TORCH_EXTENSION_NAME (a -D define)
 # before it reaches TORCH_LIBRARY, and the Python module init that makes the library importable as a submodule.
@@ -73,9 +81,13 @@ class KernelConfig:
     name: str
     version: int
     license: str
+    upstream: str | None
+    source: str | None
+    hub_repo_id: str | None
     backends: tuple[str, ...]
     torch_sources: tuple[Path, ...]
     kernel_sources: dict[str, tuple[Path, ...]]  # by backend
+    source_cxx_flags: dict[Path, tuple[str, ...]]  # each kernel source's `cxx-flags`, as its kernel declares them
     cuda_capabilities: tuple[str, ...]
 
     @property
@@ -92,17 +104,24 @@ def read_config(path: Path = REPO_ROOT / "build.toml") -> KernelConfig:
         toml = tomllib.load(file)
     general = toml["general"]
     kernel_sources: dict[str, list[Path]] = {}
+    source_cxx_flags: dict[Path, tuple[str, ...]] = {}
     capabilities: list[str] = []
     for kernel in toml.get("kernel", {}).values():
-        kernel_sources.setdefault(kernel["backend"], []).extend(REPO_ROOT / src for src in kernel["src"])
+        sources = [REPO_ROOT / src for src in kernel["src"]]
+        kernel_sources.setdefault(kernel["backend"], []).extend(sources)
+        source_cxx_flags.update((source, tuple(kernel.get("cxx-flags", ()))) for source in sources)
         capabilities.extend(kernel.get("cuda-capabilities", []))
     return KernelConfig(
         name=general["name"],
         version=general["version"],
         license=general["license"],
+        upstream=general.get("upstream"),
+        source=general.get("source"),
+        hub_repo_id=general.get("hub", {}).get("repo-id"),
         backends=tuple(general["backends"]),
         torch_sources=tuple(REPO_ROOT / src for src in toml["torch"]["src"]),
         kernel_sources={backend: tuple(paths) for backend, paths in kernel_sources.items()},
+        source_cxx_flags=source_cxx_flags,
         cuda_capabilities=tuple(sorted(set(capabilities), key=float)),
     )
 
@@ -167,9 +186,7 @@ def cxx_flags(backend: str) -> list[str]:
         f"-I{GENERATED_INCLUDE_DIR.relative_to(REPO_ROOT)}", "-Itorch-ext", f"-I{sysconfig.get_paths()['include']}",
         *(f"-I{path}" for path in includes),
     ]
-    if backend == "cpu":
-        flags.append("-fopenmp")  # at::parallel_for is an OpenMP region compiled into this library
-    else:
+    if backend == "cuda":
         # Needed only with a CPU torch's headers (no generated CUDA config there); harmless with a CUDA torch.
         flags.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
     return flags
@@ -185,9 +202,11 @@ def nvcc_flags(capabilities: Iterable[str]) -> list[str]:
 
 
 def link_flags(backend: str) -> list[str]:
+    # No -fopenmp here, as in kernel-builder (it passes a kernel's cxx-flags to the compiler only): the OpenMP calls
+    # bind to the libgomp that libtorch_cpu already loads, so one OpenMP runtime serves torch and these kernels.
     libraries = ["-lc10", "-ltorch_cpu"]
     if backend == "cpu":
-        return ["-fopenmp", *(f"-L{path}" for path in cpp_extension.library_paths("cpu")), *libraries]
+        return [*(f"-L{path}" for path in cpp_extension.library_paths("cpu")), *libraries]
     return [*(f"-L{path}" for path in cpp_extension.library_paths("cpu")), f"-L{cuda_home() / 'lib64'}", *libraries,
             "-lc10_cuda", "-ltorch_cuda", "-lcudart"]
 
@@ -229,6 +248,7 @@ class Extension:
     name: str
     backend: str
     sources: tuple[Path, ...]
+    source_cxx_flags: dict[Path, tuple[str, ...]]
     cuda_capabilities: tuple[str, ...]
 
     @property
@@ -252,7 +272,9 @@ def buildable_capabilities(config: KernelConfig) -> tuple[str, ...]:
 
 def plan_extension(config: KernelConfig, backend: str) -> Extension:
     sources = (*config.torch_sources, *config.kernel_sources[backend])
-    command_lines = cxx_flags(backend) + link_flags(backend)
+    source_cxx_flags = {source: config.source_cxx_flags.get(source, ()) for source in sources}
+    command_lines = cxx_flags(backend) + link_flags(backend) + [
+        flag for source in sources for flag in (str(source.relative_to(REPO_ROOT)), *source_cxx_flags[source])]
     capabilities: tuple[str, ...] = ()
     if backend == "cuda":
         capabilities = buildable_capabilities(config)
@@ -262,14 +284,14 @@ def plan_extension(config: KernelConfig, backend: str) -> Extension:
         *files_digest_parts(sources), REGISTRATION_HEADER.encode(), " ".join(command_lines).encode(),
         torch.__version__.encode(), str(torch.version.cuda).encode(),
     ])
-    return Extension(f"_{config.python_name}_{backend}_{digest}", backend, sources, capabilities)
+    return Extension(f"_{config.python_name}_{backend}_{digest}", backend, sources, source_cxx_flags, capabilities)
 
 
 def compile_command(extension: Extension, source: Path, obj: Path) -> list[str]:
     if source.suffix == ".cu":
         return [nvcc_path(), *nvcc_flags(extension.cuda_capabilities), "-c", str(source), "-o", str(obj)]
-    return ["c++", *cxx_flags(extension.backend), f"-DTORCH_EXTENSION_NAME={extension.name}", "-c", str(source),
-            "-o", str(obj)]
+    return ["c++", *cxx_flags(extension.backend), *extension.source_cxx_flags[source],
+            f"-DTORCH_EXTENSION_NAME={extension.name}", "-c", str(source), "-o", str(obj)]
 
 
 def run(command: list[str]) -> None:
@@ -300,17 +322,37 @@ def compile_extension(extension: Extension) -> None:
 
 
 def metadata(config: KernelConfig, kernel_id: str, backend: str, archs: tuple[str, ...] = ()) -> dict:
+    """What kernel-builder writes into a variant's metadata.json, in its field order."""
     backend_info: dict = {"type": backend}
     if archs:
         backend_info["archs"] = list(archs)
-    return {
-        "id": kernel_id,  # also the package's sys.modules name: unique per variant and per build
+    fields = {
         "name": config.name,
+        "id": kernel_id,  # the op namespace, and the package's sys.modules name: unique per variant and per build
         "version": config.version,
+        "kernels-minver": KERNELS_MINVER,
         "license": config.license,
+        "upstream": config.upstream,
+        "source": config.source,
         "python-depends": [],
         "backend": backend_info,
+        "provenance": provenance(),
     }
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def provenance() -> dict:
+    """The checkout's git revision and whether tracked files differ from it, as kernel-builder records them (the
+    loader warns on a dirty build). Outside a git checkout only the builder is named."""
+    record: dict = {"kernel-builder": {"version": "tools/build.py"}}
+    if shutil.which("git") is None:
+        return record
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    if head.returncode == 0:
+        changes = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                                 capture_output=True, text=True, check=True).stdout
+        record["kernel"] = {"commit": head.stdout.strip(), "dirty": bool(changes.strip())}
+    return record
 
 
 def ops_module(namespace: str, extension_module: str | None) -> str:
@@ -344,6 +386,7 @@ def write_variant(config: KernelConfig, variant_name: str, variant_metadata: dic
     if library is not None:
         shutil.copy2(library, staging / library.name)
     destination = BUILD_DIR / variant_name
+    BUILD_DIR.mkdir(exist_ok=True)
     if destination.is_dir() and same_tree(staging, destination):
         shutil.rmtree(staging)
         return False
@@ -363,22 +406,21 @@ def same_tree(left: Path, right: Path) -> bool:
 
 
 def build_noarch(config: KernelConfig, backend: str, package_digest_parts: list[bytes]) -> None:
-    kernel_id = f"_{config.python_name}_{backend}_noarch_{short_digest(package_digest_parts)}"
+    kernel_id = f"_{config.python_name}_{backend}_{short_digest(package_digest_parts)}"
     changed = write_variant(config, f"torch-{backend}", metadata(config, kernel_id, backend),
                             ops_module(kernel_id, None))
     print(f"build/torch-{backend}: pure PyTorch fallback, id {kernel_id}{'' if changed else ' (unchanged)'}")
 
 
-def build_arch(config: KernelConfig, backend: str, variant_name: str, package_digest_parts: list[bytes]) -> str:
+def build_arch(config: KernelConfig, backend: str, variant_name: str) -> str:
     extension = plan_extension(config, backend)
     cached = extension.library.exists()
     compile_extension(extension)
-    kernel_id = f"_{config.python_name}_{backend}_{short_digest([extension.name.encode(), *package_digest_parts])}"
     archs = extension.cuda_capabilities
-    changed = write_variant(config, variant_name, metadata(config, kernel_id, backend, archs),
+    changed = write_variant(config, variant_name, metadata(config, extension.name, backend, archs),
                             ops_module(extension.name, extension.name), extension.library)
     state = "unchanged" if not changed else "cached library" if cached else "compiled"
-    print(f"build/{variant_name}: compiled ops {extension.name}, id {kernel_id} ({state})")
+    print(f"build/{variant_name}: compiled ops, id {extension.name} ({state})")
     return extension.name
 
 
@@ -404,20 +446,26 @@ def exclusive_build() -> Iterator[None]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--noarch-only", action="store_true",
+                        help="write only build/torch-cpu and build/torch-cuda (no compiler needed)")
+    noarch_only = parser.parse_args().noarch_only
     config = read_config()
     with exclusive_build():
-        write_registration_header()
         package_digest_parts = files_digest_parts(package_files(config))
         for backend in config.backends:
             build_noarch(config, backend, package_digest_parts)
+        if noarch_only:
+            return
+        write_registration_header()
         built: set[str] = set()
         if "cpu" in config.backends:
-            built.add(build_arch(config, "cpu", arch_variant_name("cpu"), package_digest_parts))
+            built.add(build_arch(config, "cpu", arch_variant_name("cpu")))
         if "cuda" in config.backends:
             if torch.version.cuda is None or nvcc_path() is None:
                 print(f"(no CUDA arch variant: torch {torch.__version__} has no CUDA, or nvcc is missing)")
             else:
-                built.add(build_arch(config, "cuda", arch_variant_name(cuda_backend_tag()), package_digest_parts))
+                built.add(build_arch(config, "cuda", arch_variant_name(cuda_backend_tag())))
         prune_cache(built)
 
 

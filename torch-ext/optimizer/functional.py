@@ -17,7 +17,7 @@ from torch.optim.adamw import adamw
 from . import native
 from .coefficients import Coefficients
 from .distributed.finite import found_inf_flags
-from .newton_schulz import newton_schulz
+from .newton_schulz import newton_schulz, staging_dtype
 from .routing import MatrixView
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral")
@@ -82,11 +82,11 @@ def muon_update(items: Sequence[MuonTensors], *, lr: float, weight_decay: float,
     """Momentum, batched Newton-Schulz per bucket, decoupled weight decay and the scaled update."""
     for (device, _, rows, cols), bucket in _bucket(items).items():
         batches = [item.view.batch for item in bucket]
-        matrices = torch.empty(sum(batches), rows, cols, dtype=ns_dtype, device=device)
+        matrices = torch.empty(sum(batches), rows, cols, dtype=staging_dtype(ns_dtype), device=device)
         finite = _momentum_into(bucket, matrices, momentum, nesterov)
         # A skipped parameter's momentum step wrote zeros, and Newton-Schulz maps zero to exactly zero (the norm is
         # clamped, and each matrix of the batch is independent), so its update below adds exactly nothing.
-        orthogonal = newton_schulz(matrices, coefficients, eps)
+        orthogonal = newton_schulz(matrices, coefficients, eps, dtype=ns_dtype)
         params = [item.param for item in bucket]
         skipped = finite.eq(0)
         for item, was_skipped in zip(bucket, skipped.unbind()):

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
-from .dispatch import check_backend, resolve_backend, symmetric_gram, symmetric_polynomial
+from .dispatch import check_backend, cuda_capability, resolve_backend, symmetric_gram, symmetric_polynomial
 
 # Each step costs three matrix products, and no schedule here improves past about ten steps.
 _MAX_STEPS = 100
@@ -35,23 +35,31 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     if backend is not None:
         check_backend(backend, dtype, G.device)
     schedule = resolve_coefficients(coefficients, steps)
-    return newton_schulz(G.to(dtype), schedule, eps, backend).to(G.dtype)
+    return newton_schulz(G.to(staging_dtype(dtype)), schedule, eps, backend, dtype).to(G.dtype)
 
 
-def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float,
-                  backend: str | None = None) -> Tensor:
-    """The iteration itself, in G's dtype, for validated inputs: G is (m, n) or (B, m, n), one step per triple.
+def staging_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a matrix is held in until its norm has scaled it into [-1, 1]: float32 for a float16 iteration,
+    whose range (65504) a gradient element or a Frobenius norm can exceed; `dtype` itself otherwise."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, backend: str | None = None,
+                  dtype: torch.dtype | None = None) -> Tensor:
+    """The iteration itself for validated inputs: G is (m, n) or (B, m, n), one step per triple.
 
     Works on the wide orientation (the Gram matrix is min(m, n) squared) and scales each matrix by its
-    Frobenius norm, an upper bound on its spectral norm, so every singular value starts in [0, 1]. For a 2D G
-    the operations and their order are those of torch.optim.Muon, so with the "torch" backend results match it
-    bit for bit. The symmetric products go through `backend` (None: chosen per device, dtype and shape).
+    Frobenius norm, an upper bound on its spectral norm, so every singular value starts in [0, 1]. The scaling
+    happens in G's dtype, the iteration in `dtype` (None: G's), so a float16 iteration can start from a float32
+    G (see `staging_dtype`). For a 2D G in the iteration's dtype the operations and their order are those of
+    torch.optim.Muon, so with the "torch" backend results match it bit for bit. The symmetric products go
+    through `backend` (None: chosen per device, dtype and shape).
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
     # Clamped, not offset: a zero matrix stays exactly zero. The full reduction for 2D is torch.optim.Muon's.
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
-    X = X / norm.clamp(min=eps)
+    X = (X / norm.clamp(min=eps)).to(dtype or G.dtype)
     backend = resolve_backend(X, backend)
     add_matmul = torch.addmm if X.ndim == 2 else torch.baddbmm
     for a, b, c in coefficients:
@@ -62,14 +70,17 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float,
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 on accelerators (tensor-core products) and on CPUs with AMX bf16 units, float32 on other CPUs.
+    """bfloat16 on accelerators (tensor-core products) and on CPUs with AMX bf16 units, float32 on other CPUs;
+    float16 on CUDA GPUs older than compute capability 8.0 (a T4), whose tensor cores have no bfloat16.
 
     Measured on a 2-core Sapphire Rapids: bf16 `torch.mm` ran at ~1.6 TFLOP/s against ~0.27 for fp32; CPUs without
     bf16 matrix units run bf16 products slower than fp32, so they keep fp32.
     """
-    if torch.device(device).type != "cpu":
-        return torch.bfloat16
-    return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
+    capability = cuda_capability(device) if device.type == "cuda" else None
+    return torch.float16 if capability is not None and capability < (8, 0) else torch.bfloat16
 
 
 def _check_matrix(G: Tensor) -> None:

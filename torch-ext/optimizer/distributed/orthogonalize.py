@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..coefficients import Coefficients
-from ..newton_schulz import newton_schulz
+from ..newton_schulz import newton_schulz, staging_dtype
 from ..routing import MatrixView
 
 
@@ -25,8 +25,8 @@ def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: 
     for index, view in enumerate(views):
         buckets.setdefault((view.rows, view.cols), []).append(index)
     for indices in buckets.values():
-        stack = torch.cat([views[i].to_matrices(fulls[i]).to(ns_dtype) for i in indices])
-        orthogonal = newton_schulz(stack, coefficients, eps)
+        stack = torch.cat([views[i].to_matrices(fulls[i]).to(staging_dtype(ns_dtype)) for i in indices])
+        orthogonal = newton_schulz(stack, coefficients, eps, dtype=ns_dtype)
         batches = [views[i].batch for i in indices]
         keep = torch.cat([finite[i].expand(views[i].batch) for i in indices]).view(-1, 1, 1) > 0
         orthogonal = torch.where(keep, orthogonal, 0.0)
