@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernels._rust import Backend, Build, Metadata
+from kernels._rust import Backend, Build, Digest, Metadata
 from kernels.variants import get_variants_local, resolve_variant
 from kernel_under_test import BUILD_DIR, load_cpu_variant, load_fallback_variant, optimizer, submodule
 
@@ -62,6 +62,9 @@ def test_variant_has_valid_metadata_and_package(variant_dir: Path) -> None:
     assert (metadata.upstream, metadata.source) == (general["upstream"], general["source"])
     assert metadata.kernels_minver is not None
     assert metadata.python_depends == []
+    # The digest `kernels verify-signature` checks a variant against: recomputed by kernels' own code, it must match.
+    assert metadata.digest is not None
+    metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant_dir))
     expected_backend = Backend.CPU if "cpu" in variant_dir.name else Backend.CUDA
     assert metadata.backend.backend_type == expected_backend
     for name in ("__init__.py", "_ops.py", "native.py"):

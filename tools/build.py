@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kernels._rust import Digest, DigestAlgorithm
 from torch.utils import cpp_extension
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -382,9 +383,13 @@ def write_variant(config: KernelConfig, variant_name: str, variant_metadata: dic
     shutil.copytree(config.package_dir, staging, dirs_exist_ok=True, ignore=lambda folder, names: [
         name for name in names if is_not_source(Path(folder, name))])
     (staging / "_ops.py").write_text(ops_source)
-    (staging / "metadata.json").write_text(json.dumps(variant_metadata, indent=2) + "\n")
     if library is not None:
         shutil.copy2(library, staging / library.name)
+    # Every file but metadata.json, hashed by the `kernels` library's own code, as kernel-builder records it: what
+    # `kernels verify-signature` checks a signed metadata.json's variant against.
+    digest = Digest.hash_variant(DigestAlgorithm.SHA256, staging)
+    variant_metadata = {**variant_metadata, "digest": {"algorithm": str(digest.algorithm), "files": digest.files}}
+    (staging / "metadata.json").write_text(json.dumps(variant_metadata, indent=2) + "\n")
     destination = BUILD_DIR / variant_name
     BUILD_DIR.mkdir(exist_ok=True)
     if destination.is_dir() and same_tree(staging, destination):
