@@ -195,10 +195,16 @@ def test_user_schedule_is_validated_converted_and_repeated():
     assert all(isinstance(v, float) for triple in resolve_coefficients(schedule, 2) for v in triple)
 
 
+def test_a_flat_triple_is_one_triple_for_every_step():
+    # torch.optim.Muon's ns_coefficients is one flat (a, b, c).
+    triple = (3.4445, -4.7750, 2.0315)
+    assert resolve_coefficients(triple, 5) == resolve_coefficients([triple], 5) == [triple] * 5
+
+
 @pytest.mark.parametrize("spec, fragment", [
     ("cubic", "original, quintic, polar_express"),
     ([], "non-empty"),
-    ((3.4445, -4.7750, 2.0315), "coefficients[0]"),
+    ((3.4445, -4.7750, float("nan")), "finite"),
     ([(1.0, 2.0)], "coefficients[0]"),
     ([(1.0, 2.0, 3.0), (1.0, 2.0, 3.0, 4.0)], "coefficients[1]"),
     ([(1.0, float("nan"), 3.0)], "finite"),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -75,6 +77,29 @@ def test_matches_torch_adamw_for_non_matrices() -> None:
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
         assert "momentum_buffer" not in opt.state[p]
         assert float(opt.state[p]["step"]) == 5
+
+
+def test_strided_adamw_parameters_get_adamws_update_and_nothing_beside_them_changes() -> None:
+    # torch's CPU fused AdamW walks a strided view as if it were contiguous: a wrong update, and writes beside it.
+    base, weight_base = torch.randn(6, 5), torch.randn(9, 7)
+    column = base[:, 1]  # a 1D view with stride 5: AdamW
+    transposed = weight_base.T  # (7, 9), routed to AdamW by its group
+    opt = Muon([dict(params=[column]), dict(params=[transposed], use_muon=False)], lr=0.01, adamw_betas=(0.8, 0.99))
+    reference = [column.clone(), transposed.clone()]
+    ref = torch.optim.AdamW(reference, lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, foreach=False)
+    base_before, weight_before = base.clone(), weight_base.clone()
+    for step in range(3):
+        seeded_grads([column, transposed], step)
+        for ours, theirs in zip((column, transposed), reference):
+            theirs.grad = ours.grad.clone()
+        opt.step()
+        ref.step()
+    for ours, theirs in zip((column, transposed), reference):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    untouched = torch.ones_like(base, dtype=torch.bool)
+    untouched[:, 1] = False
+    assert torch.equal(base[untouched], base_before[untouched])
+    assert not torch.equal(weight_base, weight_before) and torch.equal(weight_base.T, transposed)
 
 
 def test_lr_scheduler_scales_adamw_lr_too() -> None:
@@ -255,6 +280,87 @@ def test_forcing_a_vector_into_muon_names_its_shape() -> None:
 def test_invalid_options_name_the_option(option: str, value) -> None:
     with pytest.raises(ValueError, match=option):
         Muon([torch.randn(4, 4)], **{option: value})
+
+
+def trained_pair(**options) -> tuple[list[torch.Tensor], "optimizer.Muon"]:
+    """A matrix and a vector after two steps (so both routes have state), with the optimizer."""
+    params = [torch.randn(8, 6, generator=torch.Generator().manual_seed(1)), torch.zeros(6)]
+    opt = Muon(params, **options)
+    for step in range(2):
+        seeded_grads(params, step)
+        opt.step()
+    return params, opt
+
+
+def test_tensor_and_numpy_hyperparameters_act_as_their_values() -> None:
+    # A 0-dim tensor lr is what compiled training loops pass so a schedule does not recompile; numpy scalars come
+    # from configuration files.
+    expected, _ = trained_pair(lr=0.02, weight_decay=0.1, momentum=0.9)
+    ours, _ = trained_pair(lr=torch.tensor(0.02), weight_decay=np.float32(0.1), momentum=np.float64(0.9))
+    for p, q in zip(ours, expected):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="lr"):
+        Muon([torch.randn(4, 4)], lr=torch.tensor([0.01, 0.02]))
+
+
+def test_a_group_made_invalid_after_construction_changes_nothing() -> None:
+    first, second = torch.randn(6, 6), torch.randn(6, 6)
+    opt = Muon([dict(params=[first]), dict(params=[second])])
+    opt.param_groups[1]["momentum"] = 1.5
+    seeded_grads([first, second], 0)
+    before = first.clone()
+    with pytest.raises(ValueError, match="momentum"):
+        opt.step()
+    assert torch.equal(first, before) and len(opt.state) == 0
+
+
+def test_a_refused_complex_gradient_leaves_no_state() -> None:
+    real, complex_param = torch.randn(6, 6), torch.randn(6, 6, dtype=torch.complex64)
+    opt = Muon([dict(params=[real]), dict(params=[complex_param])])
+    seeded_grads([real], 0)
+    complex_param.grad = torch.randn_like(complex_param)
+    with pytest.raises(RuntimeError, match="complex"):
+        opt.step()
+    assert len(opt.state) == 0
+
+
+def test_empty_parameters_beside_a_matrix_change_nothing_else() -> None:
+    matrix = torch.randn(8, 6)
+    empties = [torch.randn(0, 5), torch.randn(0), torch.randn(0, 3, 4)]
+    alone = matrix.clone()
+    seeded_grads([matrix, *empties], 0)
+    alone.grad = matrix.grad.clone()
+    Muon([matrix, *empties]).step()
+    Muon([alone]).step()
+    assert torch.equal(matrix, alone)
+
+
+def test_a_checkpoint_without_newer_group_keys_loads_with_their_defaults() -> None:
+    params, opt = trained_pair(lr=0.02)
+    saved = copy.deepcopy(opt.state_dict())  # as from a file: a state dict shares its tensors with the optimizer
+    for group in saved["param_groups"]:
+        for key in ("adamw_lr", "adamw_betas", "adamw_weight_decay", "param_layout", "ns_dtype", "conv_mode"):
+            del group[key]
+    resumed_params = [p.clone() for p in params]
+    resumed = Muon(resumed_params, lr=0.02)
+    resumed.load_state_dict(saved)
+    for step in range(2, 4):
+        seeded_grads(params, step)
+        seeded_grads(resumed_params, step)
+        opt.step()
+        resumed.step()
+    for p, q in zip(params, resumed_params):
+        assert torch.equal(p, q)
+
+
+def test_a_checkpoint_with_an_invalid_group_value_is_refused_before_loading() -> None:
+    params, opt = trained_pair()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["adamw_betas"] = (0.9, 1.2)
+    target = Muon([p.clone() for p in params], lr=0.5)
+    with pytest.raises(ValueError, match="adamw_betas"):
+        target.load_state_dict(saved)
+    assert target.param_groups[0]["lr"] == 0.5 and len(target.state) == 0
 
 
 # --- torch.optim.Optimizer behaviour and exact resume across a process restart ----------------------------------

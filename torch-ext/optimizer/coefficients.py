@@ -83,11 +83,12 @@ def _validated_schedule(spec: object) -> list[Coefficients]:
     if not isinstance(spec, Sequence) or len(spec) == 0:
         raise ValueError(f"Invalid coefficients: {spec!r} (expected a preset name or a non-empty sequence of "
                          "(a, b, c) triples)")
+    if len(spec) == 3 and all(map(_is_real, spec)):
+        spec = [spec]  # one flat (a, b, c), as torch.optim.Muon takes it, for every step
     schedule = []
     for index, triple in enumerate(spec):
         if isinstance(triple, str) or not isinstance(triple, Sequence) or len(triple) != 3:
-            raise ValueError(f"Invalid coefficients[{index}]: {triple!r} (expected a triple (a, b, c); "
-                             "a single triple is written [(a, b, c)])")
+            raise ValueError(f"Invalid coefficients[{index}]: {triple!r} (expected a triple (a, b, c))")
         for value in triple:
             if not _is_real(value) or not math.isfinite(value):
                 raise ValueError(f"Invalid coefficients[{index}]: {triple!r} (expected three finite numbers)")

@@ -119,6 +119,15 @@ def adamw_update(items: Sequence[AdamWTensors], *, lr: float, betas: tuple[float
         return
     for item, found_inf in zip(items, found_inf_flags([item.grad for item in items])):
         item.nonfinite_skips.add_(found_inf.to(item.nonfinite_skips.dtype))
-        adamw([item.param], [item.grad], [item.exp_avg], [item.exp_avg_sq], [], [item.step], fused=True,
+        # torch's CPU fused AdamW walks every tensor as if it were contiguous: on a strided view (a column, a
+        # transposed weight) it computes a wrong update and writes beside the view. So it gets contiguous tensors,
+        # and what was a copy goes back.
+        written = [item.param, item.exp_avg, item.exp_avg_sq]
+        contiguous = [tensor.contiguous() for tensor in written]
+        param, exp_avg, exp_avg_sq = contiguous
+        adamw([param], [item.grad.contiguous()], [exp_avg], [exp_avg_sq], [], [item.step], fused=True,
               found_inf=found_inf, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
               weight_decay=weight_decay, eps=eps, maximize=False)
+        for original, result in zip(written, contiguous):
+            if result is not original:
+                original.copy_(result)

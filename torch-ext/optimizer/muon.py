@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from itertools import chain
 from typing import Any
@@ -23,14 +24,28 @@ from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, 
 _EXACT_STATE_KEYS = ("step", "nonfinite_skips")
 
 
+def _as_real(value: Any) -> float | None:
+    """A Python, numpy or 0-dim tensor real number as a float; None for anything else (bool included).
+
+    torch optimizers take a 0-dim tensor lr, so that a compiled training loop does not recompile as the schedule
+    moves it, and numpy scalars come from configuration libraries."""
+    if isinstance(value, Tensor):
+        is_real = value.ndim == 0 and not value.is_complex() and value.dtype != torch.bool
+        return float(value) if is_real else None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
 def _check_nonnegative(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or not math.isfinite(value):
+    number = _as_real(value)
+    if number is None or not number >= 0 or not math.isfinite(number):
         raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
 
 
 def _check_fraction(name: str, value: Any) -> None:
     _check_nonnegative(name, value)
-    if value >= 1:
+    if _as_real(value) >= 1:
         raise ValueError(f"Invalid {name}: {value!r} (expected a number in [0, 1))")
 
 
@@ -43,7 +58,7 @@ def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
 def _validate_group(group: dict[str, Any]) -> None:
     for key in ("lr", "weight_decay", "eps", "adamw_eps"):
         _check_nonnegative(key, group[key])
-    if not group["eps"] > 0:
+    if not _as_real(group["eps"]) > 0:
         raise ValueError(f"Invalid eps: {group['eps']!r} (expected a number > 0)")
     _check_fraction("momentum", group["momentum"])
     for key in ("adamw_lr", "adamw_weight_decay"):
@@ -161,13 +176,17 @@ class Muon(Optimizer):
     @staticmethod
     def _adamw_lr(group: dict[str, Any]) -> float:
         """adamw_lr follows the group's LR schedule: schedulers record the base lr as `initial_lr`."""
+        lr = _as_real(group["lr"])
         if group["adamw_lr"] is None:
-            return group["lr"]
-        base = group.get("initial_lr", group["lr"])
-        return group["adamw_lr"] * (group["lr"] / base if base else 1.0)
+            return lr
+        base = _as_real(group.get("initial_lr", lr))
+        return _as_real(group["adamw_lr"]) * (lr / base if base else 1.0)
 
-    def _gather(self, group: dict[str, Any]) -> tuple[list[MuonTensors], list[AdamWTensors]]:
-        """The group's parameters with gradients, with lazily created state. Raises before changing anything."""
+    @staticmethod
+    def _check_step_inputs(group: dict[str, Any]) -> None:
+        """What a step of this group needs, checked before any group creates state or updates a parameter: a group
+        value may have been changed since construction, and a gradient may be of a kind Muon refuses."""
+        _validate_group(group)
         for param in group["params"]:
             grad = param.grad
             if grad is None:
@@ -176,6 +195,9 @@ class Muon(Optimizer):
                 raise RuntimeError(f"Muon does not support sparse gradients (parameter of shape {tuple(param.shape)})")
             if torch.is_complex(param) or torch.is_complex(grad):
                 raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
+
+    def _gather(self, group: dict[str, Any]) -> tuple[list[MuonTensors], list[AdamWTensors]]:
+        """The group's parameters with gradients, with lazily created state (inputs already checked)."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
         for param in group["params"]:
@@ -193,8 +215,8 @@ class Muon(Optimizer):
             else:
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
                 adamw_items.append(AdamWTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"],
                                                 state["step"], state["nonfinite_skips"]))
         return muon_items, adamw_items
@@ -203,10 +225,10 @@ class Muon(Optimizer):
         if not items:
             return
         ns_dtype = group["ns_dtype"] or default_ns_dtype(items[0].param.device)
-        settings = dict(lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-                        nesterov=group["nesterov"],
+        settings = dict(lr=_as_real(group["lr"]), weight_decay=_as_real(group["weight_decay"]),
+                        momentum=_as_real(group["momentum"]), nesterov=group["nesterov"],
                         coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
-                        eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype)
+                        eps=_as_real(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype)
         spread: list[MuonTensors] = []
         local: list[MuonTensors] = []
         for item in items:
@@ -219,8 +241,9 @@ class Muon(Optimizer):
 
     def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
         weight_decay = group["adamw_weight_decay"]
-        adamw_update(items, lr=self._adamw_lr(group), betas=tuple(group["adamw_betas"]), eps=group["adamw_eps"],
-                     weight_decay=group["weight_decay"] if weight_decay is None else weight_decay)
+        adamw_update(items, lr=self._adamw_lr(group), betas=tuple(map(_as_real, group["adamw_betas"])),
+                     eps=_as_real(group["adamw_eps"]),
+                     weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,
@@ -240,7 +263,9 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        gathered = [self._gather(group) for group in self.param_groups]  # all checks before any update
+        for group in self.param_groups:
+            self._check_step_inputs(group)
+        gathered = [self._gather(group) for group in self.param_groups]
         for group, (muon_items, adamw_items) in zip(self.param_groups, gathered):
             self._muon_step(group, muon_items)
             self._adamw_step(group, adamw_items)
@@ -253,6 +278,12 @@ class Muon(Optimizer):
         return int(sum(int(state["nonfinite_skips"]) for state in self.state.values() if "nonfinite_skips" in state))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A checkpoint from before an option existed lacks its key: the option's default applies, as torch
+        # optimizers' __setstate__ does. Every loaded group is checked before anything is loaded.
+        saved_groups = state_dict["param_groups"]
+        for saved in saved_groups:
+            _validate_group({**self.defaults, **saved})
+        state_dict = {**state_dict, "param_groups": [{**self.defaults, **saved} for saved in saved_groups]}
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
         params = chain.from_iterable(group["params"] for group in self.param_groups)

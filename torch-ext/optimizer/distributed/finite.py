@@ -25,7 +25,10 @@ def found_inf_flags(grads: Sequence[Tensor]) -> list[Tensor]:
     Plain tensors take one fused norm; DTensors one all-reduce per group of ranks that shard them (replicas of
     a shard, as under HSDP, hold the same values and need not be asked)."""
     flags: list[Tensor | None] = [None] * len(grads)
-    plain = [i for i, grad in enumerate(grads) if not is_dtensor(grad)]
+    for i, grad in enumerate(grads):
+        if not is_dtensor(grad) and grad.numel() == 0:  # nothing to be non-finite, and no max to take
+            flags[i] = torch.zeros((), dtype=torch.float32, device=grad.device)
+    plain = [i for i, grad in enumerate(grads) if not is_dtensor(grad) and grad.numel() > 0]
     if plain:
         norms = torch._foreach_norm([grads[i] for i in plain], math.inf)  # NaN propagates through the max
         for i, norm in zip(plain, norms):
