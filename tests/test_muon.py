@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -361,6 +362,36 @@ def test_a_checkpoint_with_an_invalid_group_value_is_refused_before_loading() ->
     with pytest.raises(ValueError, match="adamw_betas"):
         target.load_state_dict(saved)
     assert target.param_groups[0]["lr"] == 0.5 and len(target.state) == 0
+
+
+@pytest.mark.parametrize("copy_kind", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_keeps_qk_clip_and_steps_like_the_original(copy_kind: str) -> None:
+    model = nn.ModuleDict({"q": nn.Linear(8, 8, bias=False), "k": nn.Linear(8, 8, bias=False), "v": nn.Linear(8, 8)})
+    opt = Muon(model.named_parameters(), lr=0.02, qk_clip={0: optimizer.QKClipLayer("q.weight", "k.weight", 2, 4)},
+               qk_clip_threshold=50.0)
+    seeded_grads(list(model.parameters()), 0)
+    opt.step()
+    both = (model, opt)
+    twin_model, twin = copy.deepcopy(both) if copy_kind == "deepcopy" else pickle.loads(pickle.dumps(both))
+    assert twin.qk_clip_threshold == 50.0 and set(twin.qk_clip) == {0}
+    for module in (model, twin_model):
+        seeded_grads(list(module.parameters()), 1)
+    logits = {0: torch.tensor([400.0, 10.0])}
+    opt.step(qk_logits=logits)
+    twin.step(qk_logits=logits)
+    for ours, theirs in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_copied_optimizer_asks_for_its_process_group_again() -> None:
+    group = object()  # stands for a process group, which cannot be copied into another process
+    opt = Muon([torch.randn(4, 4)], process_group=group)
+    twin = copy.deepcopy(opt)
+    seeded_grads(twin.param_groups[0]["params"], 0)
+    with pytest.raises(RuntimeError, match="process_group"):
+        twin.step()
+    twin.process_group = None
+    twin.step()
 
 
 # --- torch.optim.Optimizer behaviour and exact resume across a process restart ----------------------------------

@@ -19,6 +19,10 @@ from .newton_schulz import default_ns_dtype
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
 
+# What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
+# belongs to its process and cannot be saved, so the copy's step asks for one instead of running single-device.
+_PROCESS_GROUP_NOT_SAVED = "process group not saved"
+
 # State keys that must keep their own dtype and device through load_state_dict (torch casts other floating state to
 # the parameter's dtype, which would turn a step count into bf16 for a bf16 parameter).
 _EXACT_STATE_KEYS = ("step", "nonfinite_skips")
@@ -150,6 +154,18 @@ class Muon(Optimizer):
         # Attributes too: they hold parameters, and names resolve only once the groups (and their names) exist.
         self.qk_clip = resolve_layers(qk_clip or {}, self._named_params())
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch saves defaults, state and param_groups; the QK-clip layers and the process group are attributes.
+        process_group = None if self.process_group is None else _PROCESS_GROUP_NOT_SAVED
+        return {**super().__getstate__(), "qk_clip": self.qk_clip, "qk_clip_threshold": self.qk_clip_threshold,
+                "process_group": process_group}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # a copy from before an option existed gets its default
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         candidate = {**self.defaults, **param_group}
         _validate_group(candidate)
@@ -256,6 +272,9 @@ class Muon(Optimizer):
         scaled down so their logits would fall to it; see `qk_clip.py`. Under data parallelism the logits are
         reduced with MAX over the ranks first, so every rank must pass the same keys.
         """
+        if self.process_group is _PROCESS_GROUP_NOT_SAVED:
+            raise RuntimeError("Invalid process_group: this optimizer was copied or unpickled, and a process group "
+                               "cannot be saved; set `optimizer.process_group = <the group>` (or None) before step()")
         if qk_logits and not self.qk_clip:
             raise ValueError(f"Invalid qk_logits: {list(qk_logits)!r} given, but no qk_clip layers are configured")
         check_qk_logits(self.qk_clip, qk_logits or {})  # before any update: bad input changes nothing
