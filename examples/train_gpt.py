@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -302,7 +304,11 @@ def train(
 
     started = time.perf_counter()
     record_checkpoint(0)
-    progress = tqdm(range(args.steps), desc=name, unit="step", dynamic_ncols=True, disable=not ranks.is_main)
+    # Written to a log rather than a terminal, each redraw is one more line: there the bar draws when it starts and
+    # when it ends, one line per run.
+    redraw_interval_s = 0.1 if sys.stderr.isatty() else math.inf
+    progress = tqdm(range(args.steps), desc=name, unit="step", dynamic_ncols=True, mininterval=redraw_interval_s,
+                    disable=not ranks.is_main)
     for step in progress:
         inputs, targets = windows_to_batch(corpus.train, ranks.my_rows(batches.train_starts[step]), args.block_size)
         loss = model(inputs.to(device), targets.to(device))
@@ -311,7 +317,7 @@ def train(
         optimizer.step()
         schedule.step()
         history.step_losses.append(ranks.mean(loss.detach()))
-        progress.set_postfix(loss=f"{history.step_losses[-1]:.3f}")
+        progress.set_postfix(loss=f"{history.step_losses[-1]:.3f}", refresh=False)  # drawn at the next redraw
         if step + 1 in checkpoints:
             record_checkpoint(step + 1)
     progress.close()

@@ -57,6 +57,16 @@ def test_demo_reports_both_optimizers_and_muon_learns(
     assert float(summary["muon"]["train_end"]) < float(summary["muon"]["train_start"]) - 0.1, completed.stdout
 
 
+def test_demo_progress_is_one_line_per_run_in_a_log(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    # Captured output is not a terminal, as in CI, where a log viewer shows each redraw as a line: each run's bar
+    # draws when it starts and when it ends, and around each of its --evals progress messages; never once per step.
+    completed, _ = demo_run
+    evals = int(TINY_RUN[TINY_RUN.index("--evals") + 1])
+    for name in ("muon", "adamw"):
+        draws = re.findall(rf"^{name}:", completed.stderr, re.MULTILINE)  # text mode turned each \r into a \n
+        assert 1 <= len(draws) <= 2 + 2 * evals, completed.stderr[-2000:]
+
+
 def test_demo_writes_a_png(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     completed, out_dir = demo_run
     png = out_dir / "loss_curves.png"
