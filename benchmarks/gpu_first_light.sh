@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Everything a GPU machine should run, one command: build the CUDA variant against the machine's own torch, run the
 # whole test suite with the CUDA cases and compiled Triton, the GPU correctness checks, the demo on the GPU and the
-# benchmarks. OUTDIR/summary.txt gets the machine's description and one line per stage, OUTDIR/<stage>.log each
-# stage's output; the correctness table and the benchmark table land in OUTDIR too (eight files in all).
-#   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,bench,check,demo,test)
+# benchmarks, and `kernels benchmark` on the checkout. OUTDIR/summary.txt gets the machine's description and one line
+# per stage, OUTDIR/<stage>.log each stage's output; the correctness table and the benchmark table land in OUTDIR too
+# (nine files in all). The test stage includes the notebook (tests/test_notebook.py: nbclient, nbformat, ipykernel)
+# and the get_kernel + LOCAL_KERNELS load, so those must be installed too.
+#   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,bench,check,demo,hub,test)
 set -uo pipefail
-out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [build,bench,check,demo,test]}")
-stages=",${2:-build,bench,check,demo,test},"
+out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [build,bench,check,demo,hub,test]}")
+stages=",${2:-build,bench,check,demo,hub,test},"
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 PY=${PYTHON:-python3}
@@ -39,6 +41,7 @@ stage build 400 "$PY" tools/build.py
 stage bench 400 "$PY" benchmarks/bench.py --sections gram,zeropower,step --results-dir "$out"
 stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
 stage demo 120 "$PY" examples/train_gpt.py --device cuda --out "${TMPDIR:-/tmp}/optimizer-demo"
+stage hub 300 "$PY" -c 'import sys; from kernels.cli import main; sys.argv = ["kernels", "benchmark", "."]; main()'
 # pytest-xdist, where installed, compiles the Triton kernels of several test files at once; one file per worker
 # keeps each distributed file's spawned ranks together.
 xdist=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4 --dist loadfile")
