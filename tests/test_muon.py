@@ -394,6 +394,26 @@ def test_a_copied_optimizer_asks_for_its_process_group_again() -> None:
     twin.step()
 
 
+@pytest.mark.parametrize("index, key, bad", [(0, "momentum_buffer", torch.zeros(6, 8)), (1, "exp_avg", torch.zeros(3)),
+                                             (1, "exp_avg_sq", torch.zeros(7)), (1, "step", torch.zeros(2))])
+def test_a_checkpoint_with_state_of_the_wrong_shape_is_refused_before_loading(index: int, key: str, bad) -> None:
+    # The fused kernels trust the shapes: a wrong one would read and write outside the parameter.
+    params, opt = trained_pair()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][index][key] = bad
+    target = Muon([p.clone() for p in params])
+    with pytest.raises(ValueError, match=rf"state '{key}' of parameter {index}.*expected a tensor of shape"):
+        target.load_state_dict(saved)
+    assert len(target.state) == 0
+
+
+def test_float64_parameters_decay_by_the_exact_factor() -> None:
+    param = torch.ones(4, 4, dtype=torch.float64)
+    param.grad = torch.zeros_like(param)
+    Muon([param], lr=0.1, weight_decay=1e-3).step()  # a zero gradient: the update is exactly zero, only decay acts
+    assert torch.equal(param, torch.full_like(param, 1 - 0.1 * 1e-3))
+
+
 # --- torch.optim.Optimizer behaviour and exact resume across a process restart ----------------------------------
 
 def test_closure_zero_grad_and_param_names() -> None:

@@ -34,6 +34,12 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     return lr
 
 
+def decay_factors(skipped: Tensor, lr: float, weight_decay: float, dtype: torch.dtype) -> Tensor:
+    """Decoupled weight decay's factor per parameter: 1 - lr * weight_decay, or 1 where the step was skipped. In the
+    parameters' dtype: a float32 factor would round a float64 parameter's decay (by ~3e-8)."""
+    return torch.where(skipped, 1.0, torch.tensor(1.0 - lr * weight_decay, dtype=dtype, device=skipped.device))
+
+
 @dataclass
 class MuonTensors:
     """One Muon parameter with what its update needs."""
@@ -92,8 +98,7 @@ def muon_update(items: Sequence[MuonTensors], *, lr: float, weight_decay: float,
         for item, was_skipped in zip(bucket, skipped.unbind()):
             item.nonfinite_skips.add_(was_skipped)
         if weight_decay != 0:
-            decay = torch.where(skipped, 1.0, 1.0 - lr * weight_decay)
-            torch._foreach_mul_(params, list(decay.unbind()))
+            torch._foreach_mul_(params, list(decay_factors(skipped, lr, weight_decay, params[0].dtype).unbind()))
         step_size = -adjusted_lr(lr, adjust_lr_fn, rows, cols)
         for item, part in zip(bucket, orthogonal.split(batches)):
             # One pass per parameter, converting ns_dtype on the fly (a foreach add would first copy to p's dtype).

@@ -95,6 +95,29 @@ def _validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected None or an integer >= 1)")
 
 
+# Per-element state has the parameter's shape; counters are scalars. Anything else would make the fused kernels read
+# and write outside the parameter's memory, so a checkpoint that disagrees is refused before it is loaded.
+_ELEMENTWISE_STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+    params = chain.from_iterable(group["params"] for group in param_groups)
+    for saved_id, param in zip(saved_ids, params):
+        for key, value in state_dict["state"].get(saved_id, {}).items():
+            if key in _ELEMENTWISE_STATE_KEYS:
+                expected = param.shape
+            elif key in _EXACT_STATE_KEYS:
+                expected = torch.Size()
+            else:
+                continue
+            if not isinstance(value, Tensor) or value.shape != expected:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"Invalid state_dict: state {key!r} of parameter {saved_id!r} is {shape}, expected "
+                                 f"a tensor of shape {tuple(expected)} (the parameter it loads into has shape "
+                                 f"{tuple(param.shape)})")
+
+
 class Muon(Optimizer):
     """Muon for matrices (momentum, then Newton-Schulz orthogonalization), AdamW for every other parameter.
 
@@ -302,6 +325,7 @@ class Muon(Optimizer):
         saved_groups = state_dict["param_groups"]
         for saved in saved_groups:
             _validate_group({**self.defaults, **saved})
+        _check_saved_state(state_dict, self.param_groups)
         state_dict = {**state_dict, "param_groups": [{**self.defaults, **saved} for saved in saved_groups]}
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..coefficients import Coefficients
+from ..functional import decay_factors
 from ..newton_schulz import newton_schulz, staging_dtype
 from ..routing import MatrixView
 
@@ -44,5 +45,5 @@ def apply_update(param: Tensor, update: Tensor, finite: Tensor, nonfinite_skips:
     if param.numel() == 0:
         return
     if weight_decay != 0:
-        param.mul_(torch.where(skipped, 1.0, 1.0 - lr * weight_decay))
+        param.mul_(decay_factors(skipped, lr, weight_decay, param.dtype))
     param.add_(update, alpha=-step_size)
