@@ -407,6 +407,31 @@ def test_a_checkpoint_with_state_of_the_wrong_shape_is_refused_before_loading(in
     assert len(target.state) == 0
 
 
+def test_state_is_matched_by_parameter_name() -> None:
+    # The same model, its parameters listed in another order: each keeps its own state.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4))
+    opt = Muon(model.named_parameters(), lr=0.02)
+    twin = copy.deepcopy(model)
+    for step in range(2):
+        seeded_grads(list(model.parameters()), step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    twin.load_state_dict(model.state_dict())
+    resumed = Muon(list(reversed(list(twin.named_parameters()))), lr=0.02)
+    resumed.load_state_dict(saved)
+    seeded_grads(list(model.parameters()), 2)
+    seeded_grads(list(twin.parameters()), 2)
+    opt.step()
+    resumed.step()
+    for ours, theirs in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(ours, theirs)
+    renamed = copy.deepcopy(saved)
+    renamed["param_groups"][0]["param_names"][0] = "encoder.weight"
+    with pytest.raises(ValueError, match="encoder.weight"):
+        Muon(model.named_parameters()).load_state_dict(renamed)
+
+
 def test_float64_parameters_decay_by_the_exact_factor() -> None:
     param = torch.ones(4, 4, dtype=torch.float64)
     param.grad = torch.zeros_like(param)

@@ -118,6 +118,26 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
                                  f"{tuple(param.shape)})")
 
 
+def _aligned_by_name(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state dict with each group's parameters in this optimizer's order, matched by `param_names` where both
+    sides have them (torch matches by position, which breaks when a model lists its parameters in another order)."""
+    saved_groups = state_dict["param_groups"]
+    named = len(saved_groups) == len(param_groups) and all(
+        group.get("param_names") for group in (*saved_groups, *param_groups))
+    if not named:
+        return state_dict
+    aligned = []
+    for index, (saved, current) in enumerate(zip(saved_groups, param_groups)):
+        id_by_name = dict(zip(saved["param_names"], saved["params"]))
+        names = current["param_names"]
+        if set(id_by_name) != set(names):
+            raise ValueError(f"Invalid state_dict: parameter group {index} names "
+                             f"{sorted(set(id_by_name) - set(names))} that this optimizer's group lacks, and lacks "
+                             f"{sorted(set(names) - set(id_by_name))}")
+        aligned.append({**saved, "params": [id_by_name[name] for name in names], "param_names": list(names)})
+    return {**state_dict, "param_groups": aligned}
+
+
 class Muon(Optimizer):
     """Muon for matrices (momentum, then Newton-Schulz orthogonalization), AdamW for every other parameter.
 
@@ -322,6 +342,7 @@ class Muon(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint from before an option existed lacks its key: the option's default applies, as torch
         # optimizers' __setstate__ does. Every loaded group is checked before anything is loaded.
+        state_dict = _aligned_by_name(state_dict, self.param_groups)
         saved_groups = state_dict["param_groups"]
         for saved in saved_groups:
             _validate_group({**self.defaults, **saved})
