@@ -1,7 +1,9 @@
 """The single-device update math, on plain tensors: Muon for matrices, torch's fused AdamW for the rest.
 
-Neither function syncs with the host: a parameter whose gradient is not finite is detected on the device and its
-update is masked to an exact no-op (parameter and optimizer state unchanged), and its skip counter is incremented.
+Neither function syncs with the host: a parameter whose gradient is not finite is detected on the device (by the
+momentum op for Muon; by the caller's `found_inf` flags for AdamW, since deciding that for a DTensor gradient takes
+its ranks) and its update is masked to an exact no-op (parameter and optimizer state unchanged), and its skip counter
+is incremented. Nothing here imports the distributed layer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from torch.optim.adamw import adamw
 
 from . import native
 from .coefficients import Coefficients
-from .distributed.finite import found_inf_flags
 from .newton_schulz import newton_schulz, staging_dtype
 from .routing import MatrixView
 
@@ -117,13 +118,13 @@ class AdamWTensors:
     nonfinite_skips: Tensor
 
 
-def adamw_update(items: Sequence[AdamWTensors], *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float) -> None:
+def adamw_update(items: Sequence[AdamWTensors], found_inf: Sequence[Tensor], *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """torch's fused AdamW, one parameter per call so that each has its own skip flag (`found_inf`)."""
     if not items:
         return
-    for item, found_inf in zip(items, found_inf_flags([item.grad for item in items])):
-        item.nonfinite_skips.add_(found_inf.to(item.nonfinite_skips.dtype))
+    for item, flag in zip(items, found_inf, strict=True):
+        item.nonfinite_skips.add_(flag.to(item.nonfinite_skips.dtype))
         # torch's CPU fused AdamW walks every tensor as if it were contiguous: on a strided view (a column, a
         # transposed weight) it computes a wrong update and writes beside the view. So it gets contiguous tensors,
         # and what was a copy goes back.
@@ -131,7 +132,7 @@ def adamw_update(items: Sequence[AdamWTensors], *, lr: float, betas: tuple[float
         contiguous = [tensor.contiguous() for tensor in written]
         param, exp_avg, exp_avg_sq = contiguous
         adamw([param], [item.grad.contiguous()], [exp_avg], [exp_avg_sq], [], [item.step], fused=True,
-              found_inf=found_inf, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
+              found_inf=flag, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
               weight_decay=weight_decay, eps=eps, maximize=False)
         for original, result in zip(written, contiguous):
             if result is not original:

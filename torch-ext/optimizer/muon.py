@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .coefficients import Coefficients, resolve_coefficients
+from .distributed.finite import found_inf_flags
 from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, muon_update
 from .newton_schulz import default_ns_dtype
@@ -300,7 +301,9 @@ class Muon(Optimizer):
 
     def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
         weight_decay = group["adamw_weight_decay"]
-        adamw_update(items, lr=self._adamw_lr(group), betas=tuple(map(_as_real, group["adamw_betas"])),
+        # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
+        found_inf = found_inf_flags([item.grad for item in items]) if items else []
+        adamw_update(items, found_inf, lr=self._adamw_lr(group), betas=tuple(map(_as_real, group["adamw_betas"])),
                      eps=_as_real(group["adamw_eps"]),
                      weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
 
