@@ -80,6 +80,52 @@ def test_matches_torch_adamw_for_non_matrices() -> None:
         assert float(opt.state[p]["step"]) == 5
 
 
+@pytest.mark.parametrize("move_lr", ["hand-set", "ReduceLROnPlateau", "OneCycleLR"])
+def test_adamw_lr_moves_with_lr_by_the_same_factor(move_lr: str) -> None:
+    # adamw_lr=1e-3 at lr=0.02: AdamW runs at lr / 20 whatever moves lr.
+    vector = torch.zeros(16)
+    opt = Muon([dict(params=[vector], use_muon=False)], lr=0.02, adamw_lr=1e-3, weight_decay=0.0)
+    if move_lr == "ReduceLROnPlateau":
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.1, patience=0)
+        for _ in range(3):
+            plateau.step(1.0)  # no improvement: lr is cut
+    elif move_lr == "OneCycleLR":
+        cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+        for _ in range(3):
+            opt.step()  # no gradient yet, so nothing moves; the scheduler expects a step before each of its own
+            cycle.step()
+    else:
+        opt.param_groups[0]["lr"] = 0.005
+    lr = opt.param_groups[0]["lr"]
+    assert lr != 0.02
+    vector.grad = torch.ones_like(vector)
+    before = vector.clone()
+    opt.step()
+    torch.testing.assert_close((before - vector).mean().item(), lr / 20, rtol=1e-5, atol=0)
+
+
+def test_an_old_checkpoint_with_an_absolute_adamw_lr_keeps_its_ratio_to_lr() -> None:
+    # Before adamw_lr_scale, groups kept adamw_lr and schedulers scaled it from `initial_lr`: 1e-3 at 0.02.
+    vector = torch.zeros(16)
+    opt = Muon([dict(params=[vector], use_muon=False)], lr=0.02, weight_decay=0.0)
+    saved = copy.deepcopy(opt.state_dict())
+    group = saved["param_groups"][0]
+    del group["adamw_lr_scale"]
+    group.update(adamw_lr=1e-3, initial_lr=0.02, lr=0.01)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["adamw_lr_scale"] == pytest.approx(0.05) and "adamw_lr" not in opt.param_groups[0]
+    vector.grad = torch.ones_like(vector)
+    opt.step()
+    torch.testing.assert_close(-vector.mean().item(), 0.01 * 0.05, rtol=1e-5, atol=0)
+
+
+def test_adamw_lr_and_adamw_lr_scale_are_one_option() -> None:
+    with pytest.raises(ValueError, match="adamw_lr"):
+        Muon([torch.randn(4)], lr=0.02, adamw_lr=1e-3, adamw_lr_scale=0.5)
+    with pytest.raises(ValueError, match="adamw_lr"):
+        Muon([torch.randn(4)], lr=0.0, adamw_lr=1e-3)
+
+
 def test_strided_adamw_parameters_get_adamws_update_and_nothing_beside_them_changes() -> None:
     # torch's CPU fused AdamW walks a strided view as if it were contiguous: a wrong update, and writes beside it.
     base, weight_base = torch.randn(6, 5), torch.randn(9, 7)
@@ -340,7 +386,7 @@ def test_a_checkpoint_without_newer_group_keys_loads_with_their_defaults() -> No
     params, opt = trained_pair(lr=0.02)
     saved = copy.deepcopy(opt.state_dict())  # as from a file: a state dict shares its tensors with the optimizer
     for group in saved["param_groups"]:
-        for key in ("adamw_lr", "adamw_betas", "adamw_weight_decay", "param_layout", "ns_dtype", "conv_mode"):
+        for key in ("adamw_lr_scale", "adamw_betas", "adamw_weight_decay", "param_layout", "ns_dtype", "conv_mode"):
             del group[key]
     resumed_params = [p.clone() for p in params]
     resumed = Muon(resumed_params, lr=0.02)

@@ -60,15 +60,36 @@ def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(map(repr, allowed))})")
 
 
+def _adamw_lr_as_scale(group: dict[str, Any], reference_lr: Any) -> dict[str, Any]:
+    """The group with `adamw_lr` (AdamW's learning rate when lr is `reference_lr`, accepted as a shorthand) turned
+    into the `adamw_lr_scale` a group keeps: AdamW's lr is always lr * adamw_lr_scale, so whatever moves lr (a
+    scheduler, ReduceLROnPlateau, a hand-set group["lr"]) moves AdamW's by the same factor."""
+    if "adamw_lr" not in group:
+        return group
+    adamw_lr = group["adamw_lr"]
+    group = {key: value for key, value in group.items() if key != "adamw_lr"}
+    if adamw_lr is None:
+        return group
+    if group.get("adamw_lr_scale") is not None:
+        raise ValueError(f"Invalid adamw_lr: {adamw_lr!r} given with adamw_lr_scale={group['adamw_lr_scale']!r} "
+                         "(expected one of them: adamw_lr_scale = adamw_lr / lr)")
+    _check_nonnegative("adamw_lr", adamw_lr)
+    lr = _as_real(reference_lr)
+    if lr is None or not lr > 0:
+        raise ValueError(f"Invalid adamw_lr: {adamw_lr!r} is kept relative to lr, which is {reference_lr!r} "
+                         "(expected lr > 0; or give adamw_lr_scale)")
+    return {**group, "adamw_lr_scale": _as_real(adamw_lr) / lr}
+
+
 def _validate_group(group: dict[str, Any]) -> None:
     for key in ("lr", "weight_decay", "eps", "adamw_eps"):
         _check_nonnegative(key, group[key])
     if not _as_real(group["eps"]) > 0:
         raise ValueError(f"Invalid eps: {group['eps']!r} (expected a number > 0)")
     _check_fraction("momentum", group["momentum"])
-    for key in ("adamw_lr", "adamw_weight_decay"):
-        if group[key] is not None:
-            _check_nonnegative(key, group[key])
+    _check_nonnegative("adamw_lr_scale", group["adamw_lr_scale"])
+    if group["adamw_weight_decay"] is not None:
+        _check_nonnegative("adamw_weight_decay", group["adamw_weight_decay"])
     betas = group["adamw_betas"]
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"Invalid adamw_betas: {betas!r} (expected two numbers in [0, 1))")
@@ -159,7 +180,9 @@ class Muon(Optimizer):
             "spectral" (sqrt(out / in)) or None (no scaling).
         ns_dtype: Newton-Schulz compute dtype; None is bfloat16 on accelerators and float32 on CPUs.
         conv_mode: "flatten" (out, in * k) or "batched" (one (out, in) matrix per kernel position).
-        adamw_lr: AdamW's lr, scaled by the group's LR schedule; None uses lr. adamw_betas, adamw_eps: AdamW's.
+        adamw_lr_scale: AdamW's lr is lr * adamw_lr_scale (None: 1), so whatever moves lr moves it too.
+        adamw_lr: shorthand for adamw_lr_scale = adamw_lr / lr, with lr as given here (or in the group).
+        adamw_betas, adamw_eps: AdamW's.
         adamw_weight_decay: AdamW's decoupled weight decay; None uses weight_decay.
         comm_dtype: dtype of the momentum and of the orthogonalized update while they travel between ranks
             (DTensor parameters, or any parameter with a process_group); torch.float32 sends them unrounded.
@@ -178,7 +201,7 @@ class Muon(Optimizer):
                  lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, ns_coefficients: str | list[Coefficients] = "polar_express", eps: float = 1e-7,
                  adjust_lr_fn: str | None = "match_rms_adamw", ns_dtype: torch.dtype | None = None,
-                 conv_mode: str = "flatten", adamw_lr: float | None = None,
+                 conv_mode: str = "flatten", adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
                  chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
@@ -186,9 +209,12 @@ class Muon(Optimizer):
                  qk_clip_threshold: float = DEFAULT_THRESHOLD) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
-                        conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-                        adamw_weight_decay=adamw_weight_decay, comm_dtype=comm_dtype, chunk_size=chunk_size,
-                        use_muon=None, param_layout="auto")
+                        conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
+                        adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+                        comm_dtype=comm_dtype, chunk_size=chunk_size, use_muon=None, param_layout="auto")
+        defaults = _adamw_lr_as_scale(defaults, lr)
+        if defaults["adamw_lr_scale"] is None:
+            defaults["adamw_lr_scale"] = 1.0
         _validate_group(defaults)
         # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         self.process_group = process_group
@@ -211,6 +237,7 @@ class Muon(Optimizer):
                 group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group = _adamw_lr_as_scale(param_group, param_group.get("lr", self.defaults["lr"]))
         candidate = {**self.defaults, **param_group}
         _validate_group(candidate)
         super().add_param_group(param_group)
@@ -235,12 +262,7 @@ class Muon(Optimizer):
 
     @staticmethod
     def _adamw_lr(group: dict[str, Any]) -> float:
-        """adamw_lr follows the group's LR schedule: schedulers record the base lr as `initial_lr`."""
-        lr = _as_real(group["lr"])
-        if group["adamw_lr"] is None:
-            return lr
-        base = _as_real(group.get("initial_lr", lr))
-        return _as_real(group["adamw_lr"]) * (lr / base if base else 1.0)
+        return _as_real(group["lr"]) * _as_real(group["adamw_lr_scale"])
 
     @staticmethod
     def _check_step_inputs(group: dict[str, Any]) -> None:
@@ -345,6 +367,10 @@ class Muon(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint from before an option existed lacks its key: the option's default applies, as torch
         # optimizers' __setstate__ does. Every loaded group is checked before anything is loaded.
+        # Checkpoints from before adamw_lr_scale kept an absolute adamw_lr, which schedulers scaled from the lr
+        # they started at (`initial_lr`): that ratio is the scale.
+        state_dict = {**state_dict, "param_groups": [_adamw_lr_as_scale(saved, saved.get("initial_lr", saved["lr"]))
+                                                     for saved in state_dict["param_groups"]]}
         state_dict = _aligned_by_name(state_dict, self.param_groups)
         saved_groups = state_dict["param_groups"]
         for saved in saved_groups:

@@ -130,7 +130,7 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
     Muon: hidden matrices (Linear, conv, 3D expert banks). AdamW: `nn.Embedding` weights and the output head (a
     Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose output size is a
     vocabulary size); AdamW without weight decay: norms, biases and other 1D/scalar parameters. `overrides` (any Muon
-    option: lr, weight_decay, adamw_lr, ...) are set on every group; the no-decay group keeps adamw_weight_decay=0.
+    option: lr, weight_decay, adamw_lr_scale, ...) are set on every group; the no-decay group keeps adamw_weight_decay=0.
     Shared (tied) parameters appear once. Groups carry `param_names`, so state dicts are keyed readably.
     """
     roles: dict[str, list[tuple[str, Tensor]]] = {}
