@@ -217,6 +217,10 @@ def bench_step(optimizer, device: torch.device, repeats: int) -> list[Row]:
         ours = optimizer.Muon(matrices + vectors, lr=0.02)
         ms = median_ms(ours.step, device, repeats)
         rows.append(Row("Muon.step", case, "optimizer.Muon (ns_dtype auto)", ms, flop, baseline))
+        compiled_step = torch.compile(ours.step)
+        compiled_step()  # compiles twice: before and after the step that creates the optimizer state
+        ms = median_ms(compiled_step, device, repeats)
+        rows.append(Row("Muon.step", case, "torch.compile(optimizer.Muon.step)", ms, flop, baseline))
     return rows
 
 

@@ -37,6 +37,7 @@ _NARROW_WIDTH = 1e-4
 _REMEZ_MAX_ROUNDS = 100
 
 
+@torch.compiler.assume_constant_result
 def polar_express_coefficients(num_iters: int, l: float = 1e-3, safety_eps: float = 1e-2,
                                cushion: float = 0.02) -> list[Coefficients]:
     """The Polar Express schedule (Amsel, Chen, Goldstein, Musco, Persson, arXiv 2505.16932).

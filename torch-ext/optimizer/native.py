@@ -46,15 +46,25 @@ def _compiled_devices(op_name: str) -> list[str]:
     return [] if name is None else [device for device in _DISPATCH_KEYS if _has_kernel_for(name, device)]
 
 
-@functools.cache
 def _compiled_op(op_name: str, device_type: str) -> torch._ops.OpOverloadPacket | None:
-    """The compiled op when it has a kernel for this device type; decided and logged once per op and device type."""
+    """The compiled op when it has a kernel for this device type."""
+    return getattr(ops, op_name) if _has_compiled_op(op_name, device_type) else None
+
+
+@torch.compiler.assume_constant_result
+def _has_compiled_op(op_name: str, device_type: str) -> bool:
+    """Fixed for the process: torch.compile takes the answer as a constant instead of tracing the dispatcher queries
+    (its tracer would look through a cache decorator on this function)."""
+    return _decide_compiled_op(op_name, device_type)
+
+
+@functools.cache
+def _decide_compiled_op(op_name: str, device_type: str) -> bool:
+    """Decided and logged once per op and device type."""
     name = _qualified_name(op_name)
-    if name is not None and _has_kernel_for(name, device_type):
-        logger.info("%s on %s: compiled op %s", op_name, device_type, name)
-        return getattr(ops, op_name)
-    logger.info("%s on %s: no compiled op", op_name, device_type)
-    return None
+    found = name is not None and _has_kernel_for(name, device_type)
+    logger.info("%s on %s: %s", op_name, device_type, f"compiled op {name}" if found else "no compiled op")
+    return found
 
 
 def ops_summary() -> str:

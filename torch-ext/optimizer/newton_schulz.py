@@ -78,9 +78,15 @@ def default_ns_dtype(device: torch.device | str) -> torch.dtype:
     """
     device = torch.device(device)
     if device.type == "cpu":
-        return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
+        return torch.bfloat16 if _cpu_has_amx() else torch.float32
     capability = cuda_capability(device) if device.type == "cuda" else None
     return torch.float16 if capability is not None and capability < (8, 0) else torch.bfloat16
+
+
+@torch.compiler.assume_constant_result
+def _cpu_has_amx() -> bool:
+    """torch's probe of the CPU's AMX tile units; fixed for the process, so torch.compile takes it as a constant."""
+    return torch.cpu._is_amx_tile_supported()
 
 
 def _check_matrix(G: Tensor) -> None:

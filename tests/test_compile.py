@@ -1,0 +1,91 @@
+"""torch.compile traces the optimizer: zeropower and a Muon step compile to one graph (no break in the
+Newton-Schulz loop, the compiled symmetric op included) and give the eager result; with AdamW parameters the only
+break is PyTorch's own fused AdamW, which torch keeps out of graphs; a compiled model trains with it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernel_under_test import optimizer, submodule
+
+dispatch = submodule(optimizer, "dispatch")
+ROWS = dispatch.CPU_MIN_ROWS + 8  # large enough for the compiled CPU symmetric op
+
+
+def fresh_compile_state() -> None:
+    torch._dynamo.reset()  # each test counts its own graphs and breaks
+
+
+def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+
+
+def test_zeropower_compiles_to_one_graph_with_the_compiled_op() -> None:
+    fresh_compile_state()
+    G = torch.randn(ROWS, ROWS + 200, generator=torch.Generator().manual_seed(0))
+    orthogonalize = lambda g: optimizer.zeropower(g, 5, dtype=torch.float32)  # noqa: E731
+    explanation = torch._dynamo.explain(orthogonalize)(G)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    targets = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
+    assert sum("symmetric_gram_" in target for target in targets) == 10  # two per step: X Xᵀ, then bA + cA²
+    compiled = torch.compile(orthogonalize, fullgraph=True)(G)
+    torch.testing.assert_close(compiled, orthogonalize(G), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_muon_step_is_one_graph_and_equals_eager() -> None:
+    fresh_compile_state()
+    shapes = [(24, 16), (16, 24), (3, 8, 12), (ROWS, 16)]  # a batch of two, an expert bank, one on the CPU op
+    params = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
+    eager_params = [param.clone() for param in params]
+    opt, eager = optimizer.Muon(params, lr=0.02), optimizer.Muon(eager_params, lr=0.02)
+    step = torch.compile(opt.step, fullgraph=True)  # fails on any graph break
+    for seed in range(3):
+        seeded_grads(params, seed)
+        seeded_grads(eager_params, seed)
+        step()
+        eager.step()
+    for ours, theirs in zip(params, eager_params):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_with_adamw_parameters_the_only_break_is_torchs_fused_adamw() -> None:
+    fresh_compile_state()
+    params = [torch.randn(24, 16), torch.randn(16), torch.randn(())]
+    eager_params = [param.clone() for param in params]
+    opt, eager = optimizer.Muon(params, lr=0.02), optimizer.Muon(eager_params, lr=0.02)
+    seeded_grads(params, 0)
+    explanation = torch._dynamo.explain(opt.step)()
+    reasons = [str(reason.reason) for reason in explanation.break_reasons]
+    assert reasons and all("_fused_adam" in reason for reason in reasons), reasons
+    torch._dynamo.reset()
+    params_again = [param.clone() for param in eager_params]  # explain() stepped `opt`: start over from the twin
+    opt = optimizer.Muon(params_again, lr=0.02)
+    step = torch.compile(opt.step)
+    for seed in range(3):
+        seeded_grads(params_again, seed)
+        seeded_grads(eager_params, seed)
+        step()
+        eager.step()
+    for ours, theirs in zip(params_again, eager_params):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_model_trains_with_muon() -> None:
+    fresh_compile_state()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    compiled = torch.compile(model)
+    opt = optimizer.Muon(optimizer.muon_param_groups(model), lr=0.02)
+    inputs = torch.randn(64, 16)
+    targets = inputs.flip(-1)  # a fixed linear map the model can learn
+    losses = []
+    for _ in range(20):
+        loss = nn.functional.mse_loss(compiled(inputs), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
