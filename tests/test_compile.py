@@ -23,6 +23,18 @@ def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
         param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
 
 
+def assert_steps_match(step, eager: "optimizer.Muon", params: list[torch.Tensor],
+                       eager_params: list[torch.Tensor]) -> None:
+    """Three steps of a compiled `step` and of `eager` on the same gradients end at the same parameters."""
+    for seed in range(3):
+        seeded_grads(params, seed)
+        seeded_grads(eager_params, seed)
+        step()
+        eager.step()
+    for ours, theirs in zip(params, eager_params):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_zeropower_compiles_to_one_graph_with_the_compiled_op() -> None:
     fresh_compile_state()
     G = torch.randn(ROWS, ROWS + 200, generator=torch.Generator().manual_seed(0))
@@ -41,14 +53,7 @@ def test_a_compiled_muon_step_is_one_graph_and_equals_eager() -> None:
     params = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
     eager_params = [param.clone() for param in params]
     opt, eager = optimizer.Muon(params, lr=0.02), optimizer.Muon(eager_params, lr=0.02)
-    step = torch.compile(opt.step, fullgraph=True)  # fails on any graph break
-    for seed in range(3):
-        seeded_grads(params, seed)
-        seeded_grads(eager_params, seed)
-        step()
-        eager.step()
-    for ours, theirs in zip(params, eager_params):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert_steps_match(torch.compile(opt.step, fullgraph=True), eager, params, eager_params)  # fullgraph: no break
 
 
 def test_with_adamw_parameters_the_only_break_is_torchs_fused_adamw() -> None:
@@ -63,14 +68,7 @@ def test_with_adamw_parameters_the_only_break_is_torchs_fused_adamw() -> None:
     torch._dynamo.reset()
     params_again = [param.clone() for param in eager_params]  # explain() stepped `opt`: start over from the twin
     opt = optimizer.Muon(params_again, lr=0.02)
-    step = torch.compile(opt.step)
-    for seed in range(3):
-        seeded_grads(params_again, seed)
-        seeded_grads(eager_params, seed)
-        step()
-        eager.step()
-    for ours, theirs in zip(params_again, eager_params):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert_steps_match(torch.compile(opt.step), eager, params_again, eager_params)
 
 
 def test_a_compiled_model_trains_with_muon() -> None:
