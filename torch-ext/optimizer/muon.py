@@ -120,13 +120,21 @@ def _validate_group(group: dict[str, Any]) -> None:
 # Per-element state has the parameter's shape; counters are scalars. Anything else would make the fused kernels read
 # and write outside the parameter's memory, so a checkpoint that disagrees is refused before it is loaded.
 _ELEMENTWISE_STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+_ADAMW_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # created together, so saved together
 
 
 def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
     saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
     params = chain.from_iterable(group["params"] for group in param_groups)
     for saved_id, param in zip(saved_ids, params):
-        for key, value in state_dict["state"].get(saved_id, {}).items():
+        saved = state_dict["state"].get(saved_id, {})
+        adamw_keys = [key for key in _ADAMW_STATE_KEYS if key in saved]
+        if adamw_keys and len(adamw_keys) < len(_ADAMW_STATE_KEYS):
+            # Lazy initialisation keys on "step": without it the next step would restart the moments from zero.
+            missing = [key for key in _ADAMW_STATE_KEYS if key not in saved]
+            raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has AdamW state {adamw_keys} without "
+                             f"{missing}")
+        for key, value in saved.items():
             if key in _ELEMENTWISE_STATE_KEYS:
                 expected = param.shape
             elif key in _EXACT_STATE_KEYS:
@@ -233,8 +241,13 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:  # a copy from before an option existed gets its default
-            for key, value in self.defaults.items():
+            for key, value in self._option_defaults().items():
                 group.setdefault(key, value)
+
+    def _option_defaults(self) -> dict[str, Any]:
+        """This optimizer's options with their defaults: `self.defaults` without the `differentiable` flag that
+        torch's __setstate__ adds to it, which is not an option of Muon's groups."""
+        return {key: value for key, value in self.defaults.items() if key != "differentiable"}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         param_group = _adamw_lr_as_scale(param_group, param_group.get("lr", self.defaults["lr"]))
@@ -374,9 +387,9 @@ class Muon(Optimizer):
         state_dict = _aligned_by_name(state_dict, self.param_groups)
         saved_groups = state_dict["param_groups"]
         for saved in saved_groups:
-            _validate_group({**self.defaults, **saved})
+            _validate_group({**self._option_defaults(), **saved})
         _check_saved_state(state_dict, self.param_groups)
-        state_dict = {**state_dict, "param_groups": [{**self.defaults, **saved} for saved in saved_groups]}
+        state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved} for saved in saved_groups]}
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
         params = chain.from_iterable(group["params"] for group in self.param_groups)
