@@ -156,8 +156,6 @@ def _flatten(state_dict: dict[str, Any]) -> None:
     state_dict["state"][0]["momentum_buffer"] = state_dict["state"][0]["momentum_buffer"].flatten()
 
 
-@pytest.mark.xfail(strict=True, reason="Muon.load_state_dict matches names and checks shapes before torch runs the "
-                                       "load_state_dict pre hooks, so a hook cannot adapt a checkpoint first")
 @pytest.mark.parametrize("case", ["renamed_parameters", "flattened_momentum"])
 def test_a_load_pre_hook_adapts_a_checkpoint_before_anything_checks_it(case: str) -> None:
     # torch documents the load_state_dict pre hook as the way to adapt a checkpoint whose parameters differ (e.g.

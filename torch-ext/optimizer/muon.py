@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from itertools import chain
 from typing import Any
@@ -378,6 +379,13 @@ class Muon(Optimizer):
         return int(sum(int(state["nonfinite_skips"]) for state in self.state.values() if "nonfinite_skips" in state))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The load pre-hooks run first, as in torch, so that a hook can adapt a checkpoint (rename parameters,
+        # reshape state) before the matching and checks below see it; torch's own pass over them is then skipped.
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            adapted = hook(self, state_dict)
+            if adapted is not None:
+                state_dict = adapted
         # A checkpoint from before an option existed lacks its key: the option's default applies, as torch
         # optimizers' __setstate__ does. Every loaded group is checked before anything is loaded.
         # Checkpoints from before adamw_lr_scale kept an absolute adamw_lr, which schedulers scaled from the lr
@@ -390,7 +398,11 @@ class Muon(Optimizer):
             _validate_group({**self._option_defaults(), **saved})
         _check_saved_state(state_dict, self.param_groups)
         state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved} for saved in saved_groups]}
-        super().load_state_dict(state_dict)
+        pre_hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:  # the same dict object again, so the hooks' removal handles still work
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         for saved_id, param in zip(saved_ids, params):
