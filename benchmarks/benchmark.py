@@ -99,7 +99,27 @@ def flat_parameters(start: Tensor, shapes: Sequence[tuple[int, ...]],
     return flat, params
 
 
-class Gram(Benchmark):
+class SquareAndWide:
+    """Two workloads, "square" and "wide", that differ only in their data. The class supplies `_setup(workload)`,
+    `_ours()` and `_reference()`. Not a Benchmark itself, so the runner does not run it on its own."""
+
+    def setup_square(self) -> None:
+        self._setup("square")
+
+    def setup_wide(self) -> None:
+        self._setup("wide")
+
+    def benchmark_square(self) -> None:
+        self._ours()
+
+    def verify_square(self) -> Tensor:
+        return self._reference()
+
+    benchmark_wide = benchmark_square
+    verify_wide = verify_square
+
+
+class Gram(SquareAndWide, Benchmark):
     """`optimizer.gram(X)` against `torch.mm(X, X.mT)`.
 
     X's rows have unit norm and share a common random component, so every entry of X Xᵀ lies in [-1, 1]
@@ -122,24 +142,15 @@ class Gram(Benchmark):
         self.X = torch.nn.functional.normalize(X, dim=1).to(matmul_dtype(self.device))
         announce(self, workload, f"X {rows}x{columns} {str(self.X.dtype).removeprefix('torch.')}")
 
-    def setup_square(self) -> None:
-        self._setup("square")
-
-    def setup_wide(self) -> None:
-        self._setup("wide")
-
     def _ours(self) -> None:
         self.out = self.kernel.gram(self.X)
 
     def _reference(self) -> Tensor:
         return torch.mm(self.X, self.X.mT)
 
-    # The workloads differ only in their data.
-    benchmark_square = benchmark_wide = _ours
-    verify_square = verify_wide = _reference
 
 
-class Zeropower(Benchmark):
+class Zeropower(SquareAndWide, Benchmark):
     """`optimizer.zeropower` against `newton_schulz_reference` (torch.optim.Muon's iteration in public operations):
     5 steps of torch.optim.Muon's coefficients, both in the matmul dtype.
 
@@ -169,20 +180,12 @@ class Zeropower(Benchmark):
         announce(self, workload, f"G {rows}x{columns} {str(dtype).removeprefix('torch.')}, {NS_STEPS} steps, "
                                  f"result x{s:g}")
 
-    def setup_square(self) -> None:
-        self._setup("square")
-
-    def setup_wide(self) -> None:
-        self._setup("wide")
-
     def _ours(self) -> None:
         self.out = self.kernel.zeropower(self.G, NS_STEPS, self.coefficients, dtype=self.G.dtype, eps=NS_EPS)
 
     def _reference(self) -> Tensor:
         return newton_schulz_reference(self.G, self.coefficients)
 
-    benchmark_square = benchmark_wide = _ours
-    verify_square = verify_wide = _reference
 
 
 class MuonStep(Benchmark):

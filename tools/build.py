@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -342,6 +343,7 @@ def metadata(config: KernelConfig, kernel_id: str, backend: str, archs: tuple[st
     return {key: value for key, value in fields.items() if value is not None}
 
 
+@functools.cache  # one git query per build, however many variants it writes
 def provenance() -> dict:
     """The checkout's git revision and whether tracked files differ from it, as kernel-builder records them (the
     loader warns on a dirty build). Outside a git checkout only the builder is named."""

@@ -37,8 +37,10 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
 
 def decay_factors(skipped: Tensor, lr: float, weight_decay: float, dtype: torch.dtype) -> Tensor:
     """Decoupled weight decay's factor per parameter: 1 - lr * weight_decay, or 1 where the step was skipped. In the
-    parameters' dtype: a float32 factor would round a float64 parameter's decay (by ~3e-8)."""
-    return torch.where(skipped, 1.0, torch.tensor(1.0 - lr * weight_decay, dtype=dtype, device=skipped.device))
+    parameters' dtype: a float32 factor would round a float64 parameter's decay (by ~3e-8). Filled on the device,
+    not copied from the host, so a GPU step gains no transfer."""
+    factors = torch.full(skipped.shape, 1.0 - lr * weight_decay, dtype=dtype, device=skipped.device)
+    return factors.masked_fill_(skipped, 1.0)
 
 
 @dataclass

@@ -393,11 +393,11 @@ class Muon(Optimizer):
         state_dict = {**state_dict, "param_groups": [_adamw_lr_as_scale(saved, saved.get("initial_lr", saved["lr"]))
                                                      for saved in state_dict["param_groups"]]}
         state_dict = _aligned_by_name(state_dict, self.param_groups)
-        saved_groups = state_dict["param_groups"]
-        for saved in saved_groups:
-            _validate_group({**self._option_defaults(), **saved})
+        state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved}
+                                                     for saved in state_dict["param_groups"]]}
+        for saved in state_dict["param_groups"]:
+            _validate_group(saved)
         _check_saved_state(state_dict, self.param_groups)
-        state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved} for saved in saved_groups]}
         pre_hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
         try:
             super().load_state_dict(state_dict)
