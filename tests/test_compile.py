@@ -4,6 +4,7 @@ break is PyTorch's own fused AdamW, which torch keeps out of graphs; a compiled 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -69,6 +70,28 @@ def test_with_adamw_parameters_the_only_break_is_torchs_fused_adamw() -> None:
     params_again = [param.clone() for param in eager_params]  # explain() stepped `opt`: start over from the twin
     opt = optimizer.Muon(params_again, lr=0.02)
     assert_steps_match(torch.compile(opt.step), eager, params_again, eager_params)
+
+
+@pytest.mark.parametrize("with_adamw", [False, True])
+def test_a_tensor_lr_is_traced_so_a_schedule_moving_it_does_not_recompile(with_adamw: bool) -> None:
+    fresh_compile_state()
+    shapes = [(24, 16), (ROWS, 16)] + [(16,)] * with_adamw
+    params = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
+    eager_params = [param.clone() for param in params]
+    lr = torch.tensor(0.02)
+    opt, eager = optimizer.Muon(params, lr=lr), optimizer.Muon(eager_params, lr=0.02)
+    step = torch.compile(opt.step, fullgraph=not with_adamw)  # torch's fused AdamW is kept out of graphs
+    for seed, value in enumerate((0.02, 0.01, 0.005, 0.001)):
+        lr.fill_(value)
+        eager.param_groups[0]["lr"] = value
+        seeded_grads(params, seed)
+        seeded_grads(eager_params, seed)
+        # The first step creates the state, which the second step's graph differs by; after that, only lr moves.
+        with torch._dynamo.config.patch(error_on_recompile=seed >= 2):
+            step()
+        eager.step()
+    for ours, theirs in zip(params, eager_params):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_a_compiled_model_trains_with_muon() -> None:

@@ -23,8 +23,11 @@ from .routing import MatrixView
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral")
 
+# A tensor lr stays a tensor through the update, so that a compiled step never reads its value.
+LearningRate = float | Tensor
 
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+
+def adjusted_lr(lr: LearningRate, adjust_lr_fn: str | None, rows: int, cols: int) -> LearningRate:
     """Scales lr for a (rows=out, cols=in) matrix so updates of different shapes have comparable size."""
     if adjust_lr_fn == "original":  # Keller Jordan's Muon
         return lr * math.sqrt(max(1.0, rows / cols))
@@ -35,12 +38,25 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     return lr
 
 
-def decay_factors(skipped: Tensor, lr: float, weight_decay: float, dtype: torch.dtype) -> Tensor:
+def decay_factors(skipped: Tensor, lr: LearningRate, weight_decay: float, dtype: torch.dtype) -> Tensor:
     """Decoupled weight decay's factor per parameter: 1 - lr * weight_decay, or 1 where the step was skipped. In the
     parameters' dtype: a float32 factor would round a float64 parameter's decay (by ~3e-8). Filled on the device,
     not copied from the host, so a GPU step gains no transfer."""
-    factors = torch.full(skipped.shape, 1.0 - lr * weight_decay, dtype=dtype, device=skipped.device)
-    return factors.masked_fill_(skipped, 1.0)
+    decay = 1.0 - lr * weight_decay
+    if isinstance(decay, Tensor):
+        factors = decay.to(dtype=dtype, device=skipped.device).expand(skipped.shape)
+    else:
+        factors = torch.full(skipped.shape, decay, dtype=dtype, device=skipped.device)
+    return factors.masked_fill(skipped, 1.0)
+
+
+def add_scaled_(param: Tensor, update: Tensor, step_size: LearningRate) -> None:
+    """param += step_size * update in one pass, converting the update's dtype on the fly (a foreach add would first
+    copy it to the parameter's dtype); a tensor step size is multiplied in on the device."""
+    if isinstance(step_size, Tensor):
+        param.addcmul_(update, step_size.to(param.device))
+    else:
+        param.add_(update, alpha=step_size)
 
 
 @dataclass
@@ -85,7 +101,7 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
     return finite
 
 
-def muon_update(items: Sequence[MuonTensors], *, lr: float, weight_decay: float, momentum: float, nesterov: bool,
+def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
                 coefficients: list[Coefficients], eps: float, adjust_lr_fn: str | None,
                 ns_dtype: torch.dtype) -> None:
     """Momentum, batched Newton-Schulz per bucket, decoupled weight decay and the scaled update."""
@@ -104,8 +120,7 @@ def muon_update(items: Sequence[MuonTensors], *, lr: float, weight_decay: float,
             torch._foreach_mul_(params, list(decay_factors(skipped, lr, weight_decay, params[0].dtype).unbind()))
         step_size = -adjusted_lr(lr, adjust_lr_fn, rows, cols)
         for item, part in zip(bucket, orthogonal.split(batches)):
-            # One pass per parameter, converting ns_dtype on the fly (a foreach add would first copy to p's dtype).
-            item.param.add_(item.view.from_matrices(part, item.param.shape), alpha=step_size)
+            add_scaled_(item.param, item.view.from_matrices(part, item.param.shape), step_size)
 
 
 @dataclass
@@ -120,7 +135,7 @@ class AdamWTensors:
     nonfinite_skips: Tensor
 
 
-def adamw_update(items: Sequence[AdamWTensors], found_inf: Sequence[Tensor], *, lr: float,
+def adamw_update(items: Sequence[AdamWTensors], found_inf: Sequence[Tensor], *, lr: LearningRate,
                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """torch's fused AdamW, one parameter per call so that each has its own skip flag (`found_inf`)."""
     if not items:

@@ -30,29 +30,56 @@ _PROCESS_GROUP_NOT_SAVED = "process group not saved"
 _EXACT_STATE_KEYS = ("step", "nonfinite_skips")
 
 
-def _as_real(value: Any) -> float | None:
-    """A Python, numpy or 0-dim tensor real number as a float; None for anything else (bool included).
+def _is_real_scalar(value: Tensor) -> bool:
+    return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
 
-    torch optimizers take a 0-dim tensor lr, so that a compiled training loop does not recompile as the schedule
-    moves it, and numpy scalars come from configuration libraries."""
+
+def _as_real(value: Any) -> float | None:
+    """A Python, numpy or one-element tensor real number as a float; None for anything else (bool included).
+
+    torch optimizers take a tensor lr, so that a compiled training loop does not recompile as the schedule moves it,
+    and numpy scalars come from configuration libraries."""
     if isinstance(value, Tensor):
-        is_real = value.ndim == 0 and not value.is_complex() and value.dtype != torch.bool
-        return float(value) if is_real else None
+        return float(value) if _is_real_scalar(value) else None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     return float(value)
 
 
+def _learning_rate(value: Any) -> float | Tensor:
+    """lr as the update math takes it: a tensor lr stays a tensor, so that a compiled step never reads its value
+    (which would break the graph, and recompile whenever a schedule moves it)."""
+    return value.reshape(()) if isinstance(value, Tensor) else float(value)
+
+
+# torch.optim's wording for the options it shares with us, which is what users search for.
+_TORCH_WORDING = {"lr": "learning rate", "eps": "epsilon value", "weight_decay": "weight_decay value",
+                  "momentum": "momentum value"}
+
+
+def _invalid(name: str, value: Any, expected: str) -> ValueError:
+    """`Invalid learning rate: -1 (lr: expected ...)`: torch's words where torch has the option, then ours."""
+    if name in _TORCH_WORDING:
+        return ValueError(f"Invalid {_TORCH_WORDING[name]}: {value} ({name}: expected {expected})")
+    return ValueError(f"Invalid {name}: {value!r} (expected {expected})")
+
+
 def _check_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, Tensor):
+        if not _is_real_scalar(value):
+            raise ValueError(f"Tensor {name} must be 1-element (got a {value.dtype} tensor of shape "
+                             f"{tuple(value.shape)})")
+        if torch.compiler.is_compiling():
+            return  # reading it would break the graph; torch optimizers do not check tensor values at step either
     number = _as_real(value)
     if number is None or not number >= 0 or not math.isfinite(number):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number >= 0)")
+        raise _invalid(name, value, "a finite number >= 0")
 
 
 def _check_fraction(name: str, value: Any) -> None:
     _check_nonnegative(name, value)
     if _as_real(value) >= 1:
-        raise ValueError(f"Invalid {name}: {value!r} (expected a number in [0, 1))")
+        raise _invalid(name, value, "a number in [0, 1)")
 
 
 def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
@@ -86,7 +113,7 @@ def _validate_group(group: dict[str, Any]) -> None:
     for key in ("lr", "weight_decay", "eps", "adamw_eps"):
         _check_nonnegative(key, group[key])
     if not _as_real(group["eps"]) > 0:
-        raise ValueError(f"Invalid eps: {group['eps']!r} (expected a number > 0)")
+        raise _invalid("eps", group["eps"], "a number > 0")
     _check_fraction("momentum", group["momentum"])
     _check_nonnegative("adamw_lr_scale", group["adamw_lr_scale"])
     if group["adamw_weight_decay"] is not None:
@@ -94,8 +121,10 @@ def _validate_group(group: dict[str, Any]) -> None:
     betas = group["adamw_betas"]
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"Invalid adamw_betas: {betas!r} (expected two numbers in [0, 1))")
-    for beta in betas:
-        _check_fraction("adamw_betas", beta)
+    for index, beta in enumerate(betas):
+        if _as_real(beta) is None or not 0 <= _as_real(beta) < 1:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta} (adamw_betas: expected numbers in "
+                             "[0, 1))")
     steps = group["ns_steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
         raise ValueError(f"Invalid ns_steps: {steps!r} (expected an integer in [1, 100])")
@@ -103,7 +132,9 @@ def _validate_group(group: dict[str, Any]) -> None:
         resolve_coefficients(group["ns_coefficients"], steps)
     except ValueError as error:
         raise ValueError(f"Invalid ns_coefficients: {error}") from None
-    _check_choice("adjust_lr_fn", group["adjust_lr_fn"], (*ADJUST_LR_FNS, None))
+    if group["adjust_lr_fn"] not in (*ADJUST_LR_FNS, None):
+        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported (adjust_lr_fn: "
+                         f"expected one of {', '.join(map(repr, (*ADJUST_LR_FNS, None)))})")
     _check_choice("conv_mode", group["conv_mode"], CONV_MODES)
     _check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
     _check_choice("use_muon", group["use_muon"], (None, True, False))
@@ -275,8 +306,8 @@ class Muon(Optimizer):
         return suits_muon(param.shape, group["param_layout"], group["conv_mode"])
 
     @staticmethod
-    def _adamw_lr(group: dict[str, Any]) -> float:
-        return _as_real(group["lr"]) * _as_real(group["adamw_lr_scale"])
+    def _adamw_lr(group: dict[str, Any]) -> float | Tensor:
+        return _learning_rate(group["lr"]) * _as_real(group["adamw_lr_scale"])
 
     @staticmethod
     def _check_step_inputs(group: dict[str, Any]) -> None:
@@ -321,7 +352,7 @@ class Muon(Optimizer):
         if not items:
             return
         ns_dtype = group["ns_dtype"] or default_ns_dtype(items[0].param.device)
-        settings = dict(lr=_as_real(group["lr"]), weight_decay=_as_real(group["weight_decay"]),
+        settings = dict(lr=_learning_rate(group["lr"]), weight_decay=_as_real(group["weight_decay"]),
                         momentum=_as_real(group["momentum"]), nesterov=group["nesterov"],
                         coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
                         eps=_as_real(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype)

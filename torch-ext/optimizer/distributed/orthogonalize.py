@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..coefficients import Coefficients
-from ..functional import decay_factors
+from ..functional import LearningRate, add_scaled_, decay_factors
 from ..newton_schulz import newton_schulz, staging_dtype
 from ..routing import MatrixView
 
@@ -36,8 +36,8 @@ def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: 
     return results
 
 
-def apply_update(param: Tensor, update: Tensor, finite: Tensor, nonfinite_skips: Tensor, *, lr: float,
-                 weight_decay: float, step_size: float) -> None:
+def apply_update(param: Tensor, update: Tensor, finite: Tensor, nonfinite_skips: Tensor, *, lr: LearningRate,
+                 weight_decay: float, step_size: LearningRate) -> None:
     """Decoupled weight decay, then `param -= step_size * update`, on one rank's shard; a skipped parameter
     (flag 0, the same on every rank) is left as it is and counted."""
     skipped = finite.eq(0)
@@ -46,4 +46,4 @@ def apply_update(param: Tensor, update: Tensor, finite: Tensor, nonfinite_skips:
         return
     if weight_decay != 0:
         param.mul_(decay_factors(skipped, lr, weight_decay, param.dtype))
-    param.add_(update, alpha=-step_size)
+    add_scaled_(param, update, -step_size)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import native
 from ..coefficients import Coefficients
-from ..functional import MuonTensors, adjusted_lr
+from ..functional import LearningRate, MuonTensors, adjusted_lr
 from . import comm
 from .dtensors import local_tensor
 from .layout import ShardLayout, box_numel, box_shape
@@ -37,7 +37,7 @@ class SpreadSettings:
     eps: float
     momentum: float
     nesterov: bool
-    lr: float
+    lr: LearningRate
     weight_decay: float
     adjust_lr_fn: str | None
 

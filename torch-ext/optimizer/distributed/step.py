@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..coefficients import Coefficients
-from ..functional import MuonTensors, muon_update
+from ..functional import LearningRate, MuonTensors, muon_update
 from ..routing import MatrixView
 from . import comm
 from .assignment import assign_owners, by_decreasing_cost, newton_schulz_cost
@@ -33,7 +33,7 @@ def is_spread(param: Tensor, process_group: dist.ProcessGroup | None) -> bool:
 
 
 def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist.ProcessGroup | None,
-                            comm_dtype: torch.dtype, chunk_size: int | None, lr: float, weight_decay: float,
+                            comm_dtype: torch.dtype, chunk_size: int | None, lr: LearningRate, weight_decay: float,
                             momentum: float, nesterov: bool, coefficients: list[Coefficients], eps: float,
                             adjust_lr_fn: str | None, ns_dtype: torch.dtype) -> None:
     """Muon's update for parameters spread over ranks, with the single-device result (up to `comm_dtype`
