@@ -9,6 +9,7 @@ Writes the table to stdout and to benchmarks/results/<device>-<date>.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import json
@@ -20,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 GPT2_SMALL_BLOCK = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
 GPT2_SMALL_VECTORS = [2304, 768, 3072, 768, 768, 768, 768, 768]  # biases and LayerNorm weights/biases per block
 GPT2_BLOCKS = 12
+GPT2_EMBEDDING = (50257, 768)  # the token embedding (tied output head), an AdamW tensor
 # One Llama-3-8B decoder layer: q, k, v, o (GQA: 8 KV heads of 128) and the SwiGLU MLP, stored (out, in); two norms.
 LLAMA3_8B_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096),
                    (4096, 14336)]
@@ -136,30 +138,86 @@ def _dispatch(optimizer):
     return importlib.import_module(f"{optimizer.__name__}.dispatch")
 
 
-def bench_zeropower(optimizer, device: torch.device, ns_dtype: torch.dtype, shapes: list[tuple[int, int]],
-                    repeats: int, compiled_reference: bool) -> list[Row]:
-    """Five Newton-Schulz steps: ours (Polar Express, ns_dtype) vs torch.optim.Muon's routine (bf16, always)."""
+def _precision(optimizer):
+    return importlib.import_module(f"{optimizer.__name__}.precision")
+
+
+@contextlib.contextmanager
+def torch_muon_computing_in(dtype: torch.dtype) -> Iterator[None]:
+    """torch.optim.Muon's Newton-Schulz (`_zeropower_via_newtonschulz`, whose one cast is `grad.bfloat16()`) run in
+    `dtype`: the same operations in the same order, so torch is measured in whichever dtype is faster for it here."""
+    if dtype == torch.bfloat16:
+        yield
+        return
+    original = torch.Tensor.bfloat16
+    torch.Tensor.bfloat16 = lambda self, *args, **kwargs: self.to(dtype, copy=True)  # a copy, as bfloat16() makes
+    try:
+        yield
+    finally:
+        torch.Tensor.bfloat16 = original
+
+
+def faster_torch_dtype(device: torch.device, repeats: int) -> tuple[torch.dtype, dict[torch.dtype, float]]:
+    """The dtype torch.mm runs faster in here (fp32 or bf16) and both rates in GFLOP/s, at 512 on CPUs (an
+    emulated bf16 product is too slow for more) and 4096 on GPUs."""
+    size = 512 if device.type == "cpu" else 4096
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        rates[dtype] = gram_flop(size, size) / (median_ms(lambda: torch.mm(a, a), device, repeats) * 1e-3) / 1e9
+    return max(rates, key=rates.get), rates
+
+
+def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype], torch_dtype: torch.dtype,
+                    shapes: list[tuple[int, int]], repeats: int, compiled_reference: bool) -> list[Row]:
+    """Five Newton-Schulz steps: ours (Polar Express) in each of `ns_dtypes` vs torch.optim.Muon's routine in
+    `torch_dtype`, and the time of our matrix products alone (what the rest of zeropower adds is its overhead)."""
     rows = []
     coefficients = (3.4445, -4.7750, 2.0315)
     reference = _zeropower_via_newtonschulz
     if compiled_reference:
         reference = torch.compile(_zeropower_via_newtonschulz)
+    dtype_name = str(torch_dtype).removeprefix("torch.")
     for m, n in shapes:
         G = torch.randn(m, n, device=device)
         flop = newton_schulz_flop(m, n, 5)
-        name = "torch.compile(torch.optim.Muon NS)" if compiled_reference else "torch.optim.Muon NS (bf16)"
-        baseline = median_ms(lambda: reference(G, coefficients, 5, 1e-7), device, repeats)
+        name = f"torch.compile(torch.optim.Muon NS) {dtype_name}" if compiled_reference else \
+            f"torch.optim.Muon NS {dtype_name}"
+        with torch_muon_computing_in(torch_dtype):
+            baseline = median_ms(lambda: reference(G, coefficients, 5, 1e-7), device, repeats)
         case = f"{m}x{n} 5 steps"
         rows.append(Row("zeropower", case, name, baseline, flop, baseline))
-        backends = [*_dispatch(optimizer).available_backends(ns_dtype, device), None]
-        for backend in backends:
-            label = f"zeropower {str(ns_dtype).removeprefix('torch.')} " + (
-                f"backend={backend}" if backend else f"auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})")
-            ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, backend=backend), device, repeats)
-            rows.append(Row("zeropower", case, label, ms, flop, baseline))
+        for ns_dtype in ns_dtypes:
+            backends = [*_dispatch(optimizer).available_backends(ns_dtype, device), None]
+            for backend in backends:
+                label = f"zeropower {str(ns_dtype).removeprefix('torch.')} " + (
+                    f"backend={backend}" if backend else f"auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})")
+                ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, backend=backend), device, repeats)
+                rows.append(Row("zeropower", case, label, ms, flop, baseline))
+            if not compiled_reference:
+                rows.append(_products_alone_row(optimizer, G.to(ns_dtype), case, flop, baseline, repeats))
         if not compiled_reference and device.type == "cuda":
             rows += _emerging_newton_schulz_rows(G, case, flop, baseline, repeats)
     return rows
+
+
+def _products_alone_row(optimizer, G: torch.Tensor, case: str, flop: float, baseline: float, repeats: int) -> Row:
+    """Our automatic path's three products per step (X Xᵀ, bA + cA², aX + B X) on fixed inputs and nothing else:
+    the floor zeropower's own time is compared with (goal: within 1.15x of it)."""
+    dispatch = _dispatch(optimizer)
+    X = G.mT if G.size(-2) > G.size(-1) else G
+    X = (X / X.norm()).contiguous()
+    backend = dispatch.kernel_choice(tuple(X.shape), X.dtype, X.device)
+
+    def products() -> None:
+        for _ in range(5):
+            gram = dispatch.symmetric_gram(X, backend)
+            polynomial = dispatch.symmetric_polynomial(gram, -4.775, 2.0315, backend)
+            torch.addmm(X, polynomial, X, beta=3.4445)
+
+    ms = median_ms(products, G.device, repeats)
+    return Row("zeropower", case, f"its products alone {str(G.dtype).removeprefix('torch.')} ({backend})", ms, flop,
+               baseline)
 
 
 def _emerging_newton_schulz_rows(G: torch.Tensor, case: str, flop: float, baseline: float, repeats: int) -> list[Row]:
@@ -186,7 +244,8 @@ def _emerging_newton_schulz_rows(G: torch.Tensor, case: str, flop: float, baseli
 
 
 def _step_params(device: torch.device, matrix_shapes: list[tuple[int, int]], vector_sizes: list[int],
-                 copies: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                 copies: int, embeddings: list[tuple[int, int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The Muon matrices, and the AdamW tensors (vectors, then embeddings), with gradients."""
     generator = torch.Generator(device="cpu").manual_seed(0)
 
     def leaf(shape) -> torch.Tensor:
@@ -195,32 +254,43 @@ def _step_params(device: torch.device, matrix_shapes: list[tuple[int, int]], vec
         return tensor
 
     matrices = [leaf(shape) for _ in range(copies) for shape in matrix_shapes]
-    vectors = [leaf((size,)) for _ in range(copies) for size in vector_sizes]
-    return matrices, vectors
+    adamw = [leaf((size,)) for _ in range(copies) for size in vector_sizes] + [leaf(shape) for shape in embeddings]
+    return matrices, adamw
 
 
-def bench_step(optimizer, device: torch.device, repeats: int) -> list[Row]:
-    """One optimizer step, ours vs torch.optim.Muon + AdamW (fused on GPUs), on GPT-2 small's hidden matrices and
-    vectors and, on GPUs, on one Llama-3-8B layer."""
-    shape_sets = [("GPT-2 small", GPT2_SMALL_BLOCK, GPT2_SMALL_VECTORS, GPT2_BLOCKS)]
+def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:
+    """One optimizer step, ours (defaults) vs torch.optim.Muon (its Newton-Schulz in `torch_dtype`) + fused AdamW, on
+    GPT-2 small's hidden matrices with its vectors and token embedding going to AdamW (as muon_param_groups sends
+    them) and, on GPUs, on one Llama-3-8B layer; then the AdamW-routed parameters alone against fused AdamW."""
+    shape_sets = [("GPT-2 small", GPT2_SMALL_BLOCK, GPT2_SMALL_VECTORS, GPT2_BLOCKS, [GPT2_EMBEDDING])]
     if device.type == "cuda":
-        shape_sets.append(("Llama-3-8B layer", LLAMA3_8B_LAYER, LLAMA3_8B_VECTORS, 1))
+        shape_sets.append(("Llama-3-8B layer", LLAMA3_8B_LAYER, LLAMA3_8B_VECTORS, 1, []))
     rows = []
-    for name, matrix_shapes, vector_sizes, copies in shape_sets:
-        matrices, vectors = _step_params(device, matrix_shapes, vector_sizes, copies)
+    for name, matrix_shapes, vector_sizes, copies, embeddings in shape_sets:
+        matrices, vectors = _step_params(device, matrix_shapes, vector_sizes, copies, embeddings)
         flop = sum(newton_schulz_flop(*shape, 5) for shape in matrix_shapes) * copies
         theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
-                  torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=device.type == "cuda")]
-        baseline = median_ms(lambda: [opt.step() for opt in theirs], device, repeats)
-        case = f"{name}, {len(matrices)} matrices + {len(vectors)} vectors"
-        rows.append(Row("Muon.step", case, "torch.optim.Muon + AdamW", baseline, flop, baseline))
-        ours = optimizer.Muon(matrices + vectors, lr=0.02)
+                  torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
+        with torch_muon_computing_in(torch_dtype):
+            baseline = median_ms(lambda: [opt.step() for opt in theirs], device, repeats)
+        case = f"{name}, {len(matrices)} matrices + {len(vectors)} AdamW tensors"
+        rows.append(Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + "
+                        "fused AdamW", baseline, flop, baseline))
+        ours = optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02)
         ms = median_ms(ours.step, device, repeats)
-        rows.append(Row("Muon.step", case, "optimizer.Muon (ns_dtype auto)", ms, flop, baseline))
+        rows.append(Row("Muon.step", case, "optimizer.Muon (defaults)", ms, flop, baseline))
         compiled_step = torch.compile(ours.step)
         compiled_step()  # compiles twice: before and after the step that creates the optimizer state
         ms = median_ms(compiled_step, device, repeats)
         rows.append(Row("Muon.step", case, "torch.compile(optimizer.Muon.step)", ms, flop, baseline))
+        adamw_case = f"{name}, its {len(vectors)} AdamW tensors alone"
+        fused = torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)
+        adamw_baseline = median_ms(fused.step, device, repeats)
+        rows.append(Row("AdamW part", adamw_case, "torch.optim.AdamW(fused=True)", adamw_baseline, 0.0,
+                        adamw_baseline))
+        ours_adamw = optimizer.Muon([dict(params=vectors, use_muon=False)], lr=0.02)
+        rows.append(Row("AdamW part", adamw_case, "optimizer.Muon (non-finite guard included)",
+                        median_ms(ours_adamw.step, device, repeats), 0.0, adamw_baseline))
     return rows
 
 
@@ -250,8 +320,7 @@ class _NaiveGatherAll:
         self.optimizer, self.params = optimizer, params
         self.buffers = [torch.zeros(p.shape) for p in params]
         # The same Newton-Schulz dtype as our optimizer's default on this machine, so only the communication differs.
-        self.ns_dtype = importlib.import_module(f"{optimizer.__name__}.newton_schulz").default_ns_dtype(
-            torch.device("cpu"))
+        self.ns_dtype = optimizer.default_ns_dtype("cpu")
 
     @torch.no_grad()
     def step(self) -> None:
@@ -317,19 +386,22 @@ def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, re
         result["ours_bytes"] = [float(t) for t in gathered]
         naive = _NaiveGatherAll(optimizer, _dist_matrices(blocks, mesh))
         result["naive_ms"] = _timed_step_ms(naive.step, repeats, warm_up=False)  # no lazy state; the slowest row
-        result["muon_fsdp2"] = _muon_fsdp2_ms(blocks, mesh, repeats)
+        result["muon_fsdp2"] = _muon_fsdp2_ms(optimizer, blocks, mesh, repeats)
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def _muon_fsdp2_ms(blocks: int, mesh, repeats: int) -> float | str:
+def _muon_fsdp2_ms(optimizer, blocks: int, mesh, repeats: int) -> float | str:
     """The PyPI package muon-fsdp2 on the same DTensors, or why it could not run (every rank decides alike)."""
     try:
         from muon_fsdp2 import Muon as MuonFsdp2
     except ImportError as error:
         return f"not installed ({error}); `pip install muon-fsdp2` to include it"
+    slow = _precision(optimizer).slow_dtype_reason(torch.bfloat16, "cpu")
+    if slow:  # its Newton-Schulz is bf16, always
+        return f"its Newton-Schulz runs in bf16 only, and {slow}"
     theirs = MuonFsdp2([dict(params=_dist_matrices(blocks, mesh), use_muon=True, lr=0.02, weight_decay=0.1)])
     try:
         return _timed_step_ms(theirs.step, repeats)
@@ -410,6 +482,16 @@ def _software_lines(optimizer, device: torch.device) -> list[str]:
     return lines
 
 
+def _cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (Linux), else what platform knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or f"{platform.machine()} CPU"
+
+
 def _datasheet_note(device_name: str) -> str:
     for key, tflops in DATASHEET_BF16_TFLOPS.items():
         if key in device_name:
@@ -455,29 +537,46 @@ def main() -> None:
         gram_shapes = [(s, s) for s in (512, 1024, 2048, 4096, 8192, 16384)] + [(1024, 4096), (4096, 16384)]
         ns_shapes = [(768, 3072)] + [(s, s) for s in (1024, 2048, 4096, 8192)]
     else:
-        device_name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+        device_name = f"{_cpu_model()}, {torch.get_num_threads()} threads"
         dtype, gram_shapes = torch.float32, [(512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 4096)]
         ns_shapes = [(768, 768), (768, 3072), (2048, 2048)]
     peak = peak_gflops(device, dtype, args.repeats)
+    torch_dtype, rates = faster_torch_dtype(device, args.repeats)
+    choice = optimizer.ns_dtype_choice(device)
     today = datetime.date.today().isoformat()
     header = [f"# Benchmarks: {device_name}, {today}", "", *_software_lines(optimizer, device),
               f"Measured matmul peak (torch.mm, {str(dtype).removeprefix('torch.')}): {peak:.0f} GFLOP/s"
               f"{_datasheet_note(device_name)}. "
-              "GFLOP counts are of full products; ratios are baseline / ours, measured side by side in this run."]
+              "GFLOP counts are of full products; ratios are baseline / ours, measured side by side in this run.",
+              "", f"ns_dtype=None picks {choice.dtype} here: {choice.reason}. torch.mm at "
+              f"{512 if device.type == 'cpu' else 4096}: " + ", ".join(
+                  f"{str(key).removeprefix('torch.')} {rate:.0f} GFLOP/s" for key, rate in rates.items()) +
+              f"; torch.optim.Muon's Newton-Schulz is timed in {torch_dtype}, the faster of the two for it."]
+    if device.type == "cpu":
+        units = _precision(optimizer).cpu_matrix_units()
+        header[-1] = "CPU matrix units: " + ", ".join(
+            f"{unit.upper().replace('_', '-')} {'yes' if unit in units else 'no'}"
+            for unit in _precision(optimizer).CPU_MATRIX_UNITS) + ". " + header[-1]
     rows: list[Row] = []
+    notes: list[str] = []
     if "gram" in sections:
         rows += bench_gram(optimizer, device, dtype, gram_shapes, args.repeats)
     if "zeropower" in sections:
-        ns_dtype = importlib.import_module(f"{optimizer.__name__}.newton_schulz").default_ns_dtype(device)
-        rows += bench_zeropower(optimizer, device, ns_dtype, ns_shapes, args.repeats, compiled_reference=False)
+        ns_dtypes = [choice.dtype] if device.type == "cuda" else [torch.float32, torch.bfloat16]
+        for slow in [ns for ns in ns_dtypes if _precision(optimizer).slow_dtype_reason(ns, device)]:
+            ns_dtypes.remove(slow)
+            notes.append(f"zeropower {slow} not timed: {_precision(optimizer).slow_dtype_reason(slow, device)}")
+        rows += bench_zeropower(optimizer, device, ns_dtypes, torch_dtype, ns_shapes, args.repeats,
+                                compiled_reference=False)
         if device.type == "cuda":
-            rows += bench_zeropower(optimizer, device, ns_dtype, ns_shapes, args.repeats, compiled_reference=True)
+            rows += bench_zeropower(optimizer, device, ns_dtypes, torch_dtype, ns_shapes, args.repeats,
+                                    compiled_reference=True)
     if "step" in sections:
-        rows += bench_step(optimizer, device, max(3, args.repeats // 2))
-    notes: list[str] = []
+        rows += bench_step(optimizer, device, torch_dtype, max(3, args.repeats // 2))
     if "dist" in sections:
-        dist_rows, notes = bench_dist(optimizer, args.dist_blocks, max(3, args.repeats // 2))
+        dist_rows, dist_notes = bench_dist(optimizer, args.dist_blocks, max(3, args.repeats // 2))
         rows += dist_rows
+        notes += dist_notes
     notes += _autotune_notes(optimizer)
     table = render(rows, header, notes)
     print(table)

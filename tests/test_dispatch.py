@@ -13,7 +13,6 @@ from kernel_under_test import load_cpu_variant, submodule
 optimizer = load_cpu_variant()
 dispatch = submodule(optimizer, "dispatch")
 native = submodule(optimizer, "native")
-newton_schulz = submodule(optimizer, "newton_schulz")
 
 # Backends that can run on CPU tensors here: the compiled CPU op, and Triton under the interpreter (conftest sets
 # TRITON_INTERPRET=1 unless the run asks for compiled Triton on a GPU). The interpreter is slow per tile, so shapes
@@ -119,7 +118,7 @@ def test_a_t4_gets_float16_and_a_kernel_that_runs_there(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     device = torch.device("cuda")
-    dtype = newton_schulz.default_ns_dtype(device)
+    dtype = optimizer.default_ns_dtype(device)
     assert dtype == torch.float16
     for rows in (64, 1024, 4096, 8192, 16384):
         backend = optimizer.kernel_choice((rows, 2 * rows), dtype, device)

@@ -286,6 +286,38 @@ def test_nonfinite_gradient_leaves_parameter_and_state_unchanged(bad: float) -> 
     assert int(opt.state[params[0]]["nonfinite_skips"]) == 1
 
 
+@pytest.mark.parametrize("case", ["inf and -inf", "-inf", "nan in float64", "float16 beyond its range in sum",
+                                  "float64 beyond float32's range"])
+def test_the_guard_flags_exactly_the_nonfinite_adamw_gradients(case: str) -> None:
+    # The guard sums each gradient: what it must still catch (a +inf and a -inf make a NaN sum), and finite gradients
+    # whose sum leaves the gradient dtype's range, which must step exactly as torch.optim.AdamW steps them.
+    dtype = {"float16 beyond its range in sum": torch.float16, "nan in float64": torch.float64,
+             "float64 beyond float32's range": torch.float64}.get(case, torch.float32)
+    grad = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    if case == "inf and -inf":
+        grad[3], grad[9] = float("inf"), -float("inf")
+    elif case == "-inf":
+        grad[3] = -float("inf")
+    elif case == "nan in float64":
+        grad[3] = float("nan")
+    elif case == "float16 beyond its range in sum":
+        grad.fill_(60000.0)  # each element finite in float16; their sum (3.8e6) is not
+    else:
+        grad[3] = 1e200
+    ours = torch.randn(64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    reference = ours.clone()
+    before = ours.clone()
+    ours.grad, reference.grad = grad.clone(), grad.clone()
+    opt = Muon([ours], lr=0.1)
+    opt.step()
+    if "inf" in case or "nan" in case:
+        assert torch.equal(ours, before) and opt.nonfinite_skips() == 1
+        return
+    torch.optim.AdamW([reference], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, fused=True).step()
+    assert opt.nonfinite_skips() == 0
+    torch.testing.assert_close(ours, reference, equal_nan=True)
+
+
 def test_zero_gradient_gives_finite_zero_update() -> None:
     param, vector = torch.randn(8, 8), torch.randn(8)
     before = param.clone()

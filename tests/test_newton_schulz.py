@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 
 from optimizer.coefficients import polar_express_coefficients  # noqa: E402
-from optimizer.newton_schulz import default_ns_dtype, newton_schulz, zeropower  # noqa: E402
+from optimizer.newton_schulz import newton_schulz, zeropower  # noqa: E402
 
 KELLER_JORDAN = (3.4445, -4.7750, 2.0315)
 DESIGN_LOWER_BOUND = 1e-3  # the smallest normalized singular value the default Polar Express schedule targets
@@ -187,23 +187,6 @@ def test_newton_schulz_runs_a_given_schedule_in_the_input_dtype():
     result = newton_schulz(G, schedule, 1e-7)
     assert result.dtype == torch.float64
     torch.testing.assert_close(result, zeropower(G, 8, schedule, dtype=torch.float64), rtol=0, atol=0)
-
-
-def test_default_ns_dtype():
-    # The CPU choice follows torch's own probe of the CPU's bf16 matrix units (AMX).
-    cpu_dtype = torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
-    assert default_ns_dtype(torch.device("cpu")) == cpu_dtype
-    assert default_ns_dtype("cpu") == cpu_dtype
-    assert default_ns_dtype("xpu") == torch.bfloat16
-
-
-@pytest.mark.parametrize("capability, expected", [((7, 5), torch.float16), ((8, 0), torch.bfloat16),
-                                                  ((9, 0), torch.bfloat16), ((12, 0), torch.bfloat16)])
-def test_default_ns_dtype_on_gpus(monkeypatch: pytest.MonkeyPatch, capability, expected):
-    # A T4 (7.5) has float16 tensor cores only; bfloat16 products there run on the slow non-tensor-core path.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert default_ns_dtype(torch.device("cuda", 1)) == expected
 
 
 def test_float16_scales_before_the_cast():

@@ -5,10 +5,11 @@ from .dispatch import gram, kernel_choice
 from .muon import Muon
 from .native import ops_summary
 from .newton_schulz import zeropower
+from .precision import NsDtypeChoice, default_ns_dtype, ns_dtype_choice
 from .qk_clip import QKClipLayer, qk_clip_
 from .routing import muon_param_groups
 
 __all__ = [
-    "Muon", "QKClipLayer", "gram", "kernel_choice", "muon_param_groups", "ops_summary", "polar_express_coefficients",
-    "qk_clip_", "zeropower",
+    "Muon", "NsDtypeChoice", "QKClipLayer", "default_ns_dtype", "gram", "kernel_choice", "muon_param_groups",
+    "ns_dtype_choice", "ops_summary", "polar_express_coefficients", "qk_clip_", "zeropower",
 ]

@@ -17,7 +17,7 @@ from .coefficients import Coefficients, resolve_coefficients
 from .distributed.finite import found_inf_flags
 from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, muon_update
-from .newton_schulz import default_ns_dtype
+from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
 
@@ -295,6 +295,18 @@ class Muon(Optimizer):
             except ValueError:
                 self.param_groups.pop()  # a rejected group leaves the optimizer as it was
                 raise
+        if group["ns_dtype"] is not None:
+            for device in {param.device for param in group["params"] if self._uses_muon(group, param)}:
+                warn_if_slow(group["ns_dtype"], device)
+
+    def __repr__(self) -> str:
+        """torch's listing of the groups, then what ns_dtype=None resolves to on each device, and why."""
+        devices = {param.device for group in self.param_groups if group["ns_dtype"] is None
+                   for param in group["params"] if self._uses_muon(group, param)}
+        choices = [f"ns_dtype=None on {device}: {ns_dtype_choice(device).dtype}, as {ns_dtype_choice(device).reason}"
+                   for device in sorted(devices, key=str)]
+        listing = super().__repr__()
+        return listing[:-1] + "".join(f"{choice}\n" for choice in choices) + listing[-1:]
 
     def _named_params(self) -> dict[str, Tensor]:
         return {name: param for group in self.param_groups

@@ -9,15 +9,17 @@ import torch
 from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
-from .dispatch import check_backend, cuda_capability, resolve_backend, symmetric_gram, symmetric_polynomial
+from .dispatch import check_backend, resolve_backend, symmetric_gram, symmetric_polynomial
+from .precision import default_ns_dtype
 
 # Each step costs three matrix products, and no schedule here improves past about ten steps.
 _MAX_STEPS = 100
 
 
 def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficients] = "polar_express",
-              dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7, backend: str | None = None) -> Tensor:
-    """Approximate U V^T for a matrix (m, n) or for each matrix of a batch (B, m, n), computed in `dtype`.
+              dtype: torch.dtype | None = None, eps: float = 1e-7, backend: str | None = None) -> Tensor:
+    """Approximate U V^T for a matrix (m, n) or for each matrix of a batch (B, m, n), computed in `dtype` (None: the
+    dtype G's device multiplies fastest in, `default_ns_dtype(G.device)`).
 
     `coefficients` is a preset name ("original", "quintic", "polar_express") or a sequence of (a, b, c)
     triples, one per step (the last repeats). `backend` ("torch", "cpu", "cuda", "triton") forces the kernel for
@@ -28,8 +30,10 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _MAX_STEPS:
         raise ValueError(f"Invalid steps: {steps!r} (expected an integer in [1, {_MAX_STEPS}]; each step costs "
                          "three matrix products and no schedule improves past about ten)")
+    if dtype is None:
+        dtype = default_ns_dtype(G.device)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"Invalid dtype: {dtype!r} (expected a floating torch.dtype)")
+        raise ValueError(f"Invalid dtype: {dtype!r} (expected None or a floating torch.dtype)")
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
         raise ValueError(f"Invalid eps: {eps!r} (expected a finite number > 0)")
     if backend is not None:
@@ -67,26 +71,6 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
         polynomial = symmetric_polynomial(gram, b, c, backend)  # b*A + c*A@A
         X = add_matmul(X, polynomial, X, beta=a)  # a*X + (b*A + c*A@A) @ X
     return X.mT if tall else X
-
-
-def default_ns_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 on accelerators (tensor-core products) and on CPUs with AMX bf16 units, float32 on other CPUs;
-    float16 on CUDA GPUs older than compute capability 8.0 (a T4), whose tensor cores have no bfloat16.
-
-    Measured on a 2-core Sapphire Rapids: bf16 `torch.mm` ran at ~1.6 TFLOP/s against ~0.27 for fp32; CPUs without
-    bf16 matrix units run bf16 products slower than fp32, so they keep fp32.
-    """
-    device = torch.device(device)
-    if device.type == "cpu":
-        return torch.bfloat16 if _cpu_has_amx() else torch.float32
-    capability = cuda_capability(device) if device.type == "cuda" else None
-    return torch.float16 if capability is not None and capability < (8, 0) else torch.bfloat16
-
-
-@torch.compiler.assume_constant_result
-def _cpu_has_amx() -> bool:
-    """torch's probe of the CPU's AMX tile units; fixed for the process, so torch.compile takes it as a constant."""
-    return torch.cpu._is_amx_tile_supported()
 
 
 def _check_matrix(G: Tensor) -> None:

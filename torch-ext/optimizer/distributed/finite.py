@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..functional import guard_sum, nonfinite_flag
 from . import comm
 from .dtensors import is_dtensor, local_tensor
 
@@ -16,23 +16,15 @@ from .dtensors import is_dtensor, local_tensor
 def finite_everywhere(local_tensors: Sequence[Tensor], group: dist.ProcessGroup) -> Tensor:
     """(N,) float32: 1.0 where the tensor is finite on every rank of `group`, else 0.0 (empty shards count as
     finite). Every rank of the group must call this with its own shards of the same tensors."""
-    flags = torch.stack([torch.isfinite(tensor).all() for tensor in local_tensors]).to(torch.float32)
+    flags = torch.stack([guard_sum(tensor) for tensor in local_tensors]).isfinite().to(torch.float32)
     return comm.all_reduce_min_(flags, group)
 
 
 def found_inf_flags(grads: Sequence[Tensor]) -> list[Tensor]:
     """Per gradient, a float32 scalar: 1.0 if it has a NaN or Inf anywhere (on any rank, for a DTensor), else 0.0.
-    Plain tensors take one fused norm; DTensors one all-reduce per group of ranks that shard them (replicas of
+    Plain tensors take one sum each; DTensors one all-reduce per group of ranks that shard them (replicas of
     a shard, as under HSDP, hold the same values and need not be asked)."""
-    flags: list[Tensor | None] = [None] * len(grads)
-    for i, grad in enumerate(grads):
-        if not is_dtensor(grad) and grad.numel() == 0:  # nothing to be non-finite, and no max to take
-            flags[i] = torch.zeros((), dtype=torch.float32, device=grad.device)
-    plain = [i for i, grad in enumerate(grads) if not is_dtensor(grad) and grad.numel() > 0]
-    if plain:
-        norms = torch._foreach_norm([grads[i] for i in plain], math.inf)  # NaN propagates through the max
-        for i, norm in zip(plain, norms):
-            flags[i] = norm.isfinite().logical_not().to(torch.float32)
+    flags: list[Tensor | None] = [None if is_dtensor(grad) else nonfinite_flag(grad) for grad in grads]
     by_group: dict[dist.ProcessGroup, list[int]] = {}
     for i, grad in enumerate(grads):
         if is_dtensor(grad):

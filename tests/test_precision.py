@@ -1,0 +1,142 @@
+"""The Newton-Schulz dtype each device runs by default, decided from the CPU's matrix instructions (faked here for
+every machine kind: AMX, AVX512-BF16 only, neither, non-x86) or the GPU's compute capability; the warning for an
+explicit dtype the CPU multiplies slowly; the optimizer's repr saying what None resolves to."""
+
+from __future__ import annotations
+
+import platform
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernel_under_test import optimizer, submodule
+
+precision = submodule(optimizer, "precision")
+
+
+def fake_cpu(monkeypatch: pytest.MonkeyPatch, *units: str) -> None:
+    monkeypatch.setattr(precision, "cpu_matrix_units", lambda: frozenset(units))
+    monkeypatch.setattr(precision, "_warned", set())
+
+
+def linux_cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo here")
+    line = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.parametrize("units, expected", [
+    (("amx_bf16", "avx512_bf16"), torch.bfloat16),  # Sapphire Rapids
+    (("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16"), torch.bfloat16),  # Granite Rapids: bf16's range wins
+    (("avx512_bf16",), torch.bfloat16),  # AMD Zen 4/5
+    ((), torch.float32),  # AVX2-only CPUs, and non-x86 ones
+])
+def test_cpu_rule(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...], expected: torch.dtype) -> None:
+    fake_cpu(monkeypatch, *units)
+    choice = optimizer.ns_dtype_choice("cpu")
+    assert choice.dtype == expected == optimizer.default_ns_dtype(torch.device("cpu"))
+    assert ("AMX" in choice.reason) == ("amx_bf16" in units or not units)
+    assert ("AVX512-BF16" in choice.reason) == (units == ("avx512_bf16",) or not units)
+
+
+def test_non_x86_cpus_report_no_x86_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    precision.cpu_matrix_units.cache_clear()
+    try:
+        assert precision.cpu_matrix_units() == frozenset()
+        assert optimizer.default_ns_dtype("cpu") == torch.float32
+    finally:
+        precision.cpu_matrix_units.cache_clear()
+
+
+def test_this_cpus_units_are_what_the_kernel_reports() -> None:
+    # Linux names the same instruction sets in /proc/cpuinfo; torch's probes (and ours) must agree with it.
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 flags only")
+    flags = linux_cpu_flags()
+    assert precision.cpu_matrix_units() == frozenset(set(precision.CPU_MATRIX_UNITS) & flags)
+
+
+def test_the_choice_is_the_same_every_time() -> None:
+    # Decided from instruction sets, not timed: the same machine always gets the same dtype (and so the same results).
+    assert len({optimizer.ns_dtype_choice("cpu") for _ in range(20)}) == 1
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                                                  ((9, 0), torch.bfloat16), ((12, 0), torch.bfloat16)])
+def test_gpu_rule(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: torch.dtype) -> None:
+    # A T4 (7.5) has float16 tensor cores only; bfloat16 products there run on the slow non-tensor-core path.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert optimizer.default_ns_dtype(torch.device("cuda", 1)) == expected
+    assert f"{capability[0]}.{capability[1]}" in optimizer.ns_dtype_choice("cuda").reason or expected == torch.bfloat16
+
+
+def test_other_accelerators_get_bfloat16() -> None:
+    assert optimizer.default_ns_dtype("xpu") == torch.bfloat16
+
+
+def test_the_step_runs_newton_schulz_in_the_chosen_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With bf16 units faked, ns_dtype=None must give exactly what an explicit bfloat16 gives, and differ from fp32.
+    fake_cpu(monkeypatch, "avx512_bf16")
+    results = {}
+    for ns_dtype in (None, torch.bfloat16, torch.float32):
+        param = torch.zeros(16, 24)
+        param.grad = torch.randn(16, 24, generator=torch.Generator().manual_seed(0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # bf16 is fast on this (faked) CPU: no warning
+            optimizer.Muon([param], lr=0.1, weight_decay=0.0, ns_dtype=ns_dtype).step()
+        results[ns_dtype] = param
+    assert torch.equal(results[None], results[torch.bfloat16])
+    assert not torch.equal(results[None], results[torch.float32])
+
+
+@pytest.mark.parametrize("dtype, units, warns", [
+    (torch.float16, (), True), (torch.float16, ("avx512_bf16",), True), (torch.float16, ("amx_fp16",), False),
+    (torch.float16, ("avx512_fp16",), False), (torch.bfloat16, (), True), (torch.bfloat16, ("avx512_bf16",), False),
+    (torch.float32, (), False),
+])
+def test_an_explicit_slow_dtype_is_honoured_and_warns_once(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                           units: tuple[str, ...], warns: bool) -> None:
+    fake_cpu(monkeypatch, *units)
+    for attempt in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = optimizer.Muon([torch.randn(4, 4)], ns_dtype=dtype)
+        assert opt.param_groups[0]["ns_dtype"] == dtype
+        messages = [str(warning.message) for warning in caught if warning.category is UserWarning]
+        if not warns or attempt == 1:
+            assert messages == []
+            continue
+        assert len(messages) == 1 and caught[0].filename == __file__  # pointed at the caller, not at torch.optim
+        faster = optimizer.default_ns_dtype("cpu")
+        assert f"ns_dtype={dtype} on cpu" in messages[0] and f"would use {faster}" in messages[0]
+
+
+def test_adamw_only_groups_do_not_warn(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cpu(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.Muon([torch.randn(8)], ns_dtype=torch.float16)
+
+
+def test_repr_says_what_none_resolves_to_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cpu(monkeypatch, "avx512_bf16")
+    text = repr(optimizer.Muon([torch.randn(4, 4), torch.randn(4)]))
+    assert text.startswith("Muon (") and text.endswith(")")
+    assert "ns_dtype=None on cpu: torch.bfloat16, as the CPU has AVX512-BF16" in text
+    assert "ns_dtype=None" not in repr(optimizer.Muon([torch.randn(4, 4)], ns_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("units, expected", [(("avx512_bf16",), torch.bfloat16), ((), torch.float32)])
+def test_zeropower_without_a_dtype_runs_in_the_default(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...],
+                                                       expected: torch.dtype) -> None:
+    # The bf16 default's accuracy against the SVD polar factor is the explicit bf16 path's, bounded in
+    # test_newton_schulz.py (test_polar_express_in_low_precision_stays_near_the_polar_factor), the GPU bf16 bound.
+    fake_cpu(monkeypatch, *units)
+    G = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(optimizer.zeropower(G), optimizer.zeropower(G, dtype=expected))

@@ -1,0 +1,117 @@
+"""Which dtype each device multiplies matrices fastest in: the Newton-Schulz default, and a warning for slow choices.
+
+On CPUs the answer is read from the matrix instructions the CPU has, not timed: a probe would make the default (and
+so the results) depend on how busy the machine was, and the gaps are far wider than any timer's noise. Measured with
+torch 2.13's CPU kernels, 2048x2048 `torch.mm`:
+  - AMX (Sapphire Rapids, 2 cores): bf16 ~1.6 TFLOP/s against fp32 ~0.27, 6x faster;
+  - AVX512-BF16 without AMX (AMD EPYC, 2 cores): bf16 20 ms against fp32 89 ms, 4.4x faster;
+  - neither (AMD EPYC with AVX2 only): bf16 58 s against fp32 97 ms (another such CPU: 3x slower), so fp32;
+  - float16 without AMX-FP16 or AVX512-FP16 runs a reference kernel (67 s at 2048 on the AVX512-BF16 machine).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import sys
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from .dispatch import cuda_capability
+
+# The x86 instruction sets that oneDNN, which runs torch's 16-bit CPU products, uses for matrix products.
+CPU_MATRIX_UNITS: tuple[str, ...] = ("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16")
+_UNITS_FOR: dict[torch.dtype, tuple[str, ...]] = {torch.bfloat16: ("amx_bf16", "avx512_bf16"),
+                                                  torch.float16: ("amx_fp16", "avx512_fp16")}
+_WITHOUT_UNITS: dict[torch.dtype, str] = {torch.bfloat16: "emulated, measured 3x to 600x slower than float32",
+                                          torch.float16: "a reference kernel, measured 700x slower than float32"}
+
+
+class NsDtypeChoice(NamedTuple):
+    """The dtype `ns_dtype=None` resolves to on a device, and why."""
+
+    dtype: torch.dtype
+    reason: str
+
+
+@functools.cache
+def cpu_matrix_units() -> frozenset[str]:
+    """Which of CPU_MATRIX_UNITS this CPU has: torch's own probes, and /proc/cpuinfo for AVX512-FP16 (which torch does
+    not probe). Empty on non-x86 CPUs."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return frozenset()
+    found = {"amx_bf16": torch.cpu._is_amx_tile_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+             "amx_fp16": torch.cpu._is_amx_fp16_supported(), "avx512_fp16": "avx512_fp16" in _linux_cpu_flags()}
+    return frozenset(unit for unit, present in found.items() if present)
+
+
+def _linux_cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
+    """What `ns_dtype=None` picks on `device`, with the reason (the optimizer's repr shows it)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        units = cpu_matrix_units()
+        if "amx_bf16" in units:
+            return NsDtypeChoice(torch.bfloat16, "the CPU has AMX bf16 tiles (bf16 products ~6x fp32's speed)")
+        if "avx512_bf16" in units:
+            return NsDtypeChoice(torch.bfloat16, "the CPU has AVX512-BF16 (bf16 products ~4x fp32's speed)")
+        return NsDtypeChoice(torch.float32, "the CPU has no bf16 matrix instructions (AMX, AVX512-BF16): bf16 "
+                                            "products are emulated there, 3x to 600x slower than fp32")
+    if device.type == "cuda":
+        capability = cuda_capability(device)
+        if capability is not None and capability < (8, 0):
+            return NsDtypeChoice(torch.float16, f"compute capability {capability[0]}.{capability[1]} has fp16 tensor "
+                                                "cores and no bf16 ones (below 8.0); scaling stays in fp32")
+        return NsDtypeChoice(torch.bfloat16, "bf16 tensor cores (compute capability 8.0 and newer)")
+    return NsDtypeChoice(torch.bfloat16, f"{device.type} accelerators multiply bf16 on their matrix units")
+
+
+@torch.compiler.assume_constant_result
+def default_ns_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype Newton-Schulz runs in when `ns_dtype` is None: the one this device multiplies fastest (see
+    `ns_dtype_choice`). Fixed for the process, so torch.compile takes it as a constant."""
+    return ns_dtype_choice(device).dtype
+
+
+def slow_dtype_reason(dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """Why products in `dtype` are far slower than in the default on `device`, or None where they are not."""
+    device = torch.device(device)
+    if device.type != "cpu" or dtype not in _UNITS_FOR or cpu_matrix_units() & set(_UNITS_FOR[dtype]):
+        return None
+    units = " or ".join(unit.upper().replace("_", "-") for unit in _UNITS_FOR[dtype])
+    return f"this CPU has no {units} instructions, so its {dtype} products are {_WITHOUT_UNITS[dtype]}"
+
+
+_warned: set[tuple[torch.dtype, str]] = set()
+
+
+def warn_if_slow(dtype: torch.dtype, device: torch.device | str) -> None:
+    """Once per dtype and device type: an explicit ns_dtype that this device multiplies far slower than the
+    default. It is still honoured; the warning names the faster choice."""
+    device = torch.device(device)
+    reason = slow_dtype_reason(dtype, device)
+    if reason is None or (dtype, device.type) in _warned:
+        return
+    _warned.add((dtype, device.type))
+    faster = ns_dtype_choice(device)
+    warnings.warn(f"ns_dtype={dtype} on {device.type}: {reason}. It is used as asked; ns_dtype=None would use "
+                  f"{faster.dtype} here: {faster.reason}.", UserWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first caller outside this package and torch.optim (Muon(...) or add_param_group)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith((__package__, "torch.optim")):
+        frame, level = frame.f_back, level + 1
+    return level
