@@ -135,7 +135,9 @@ def test_a_batch_is_one_call_per_product(batch):
     steps = 4
     with CountMatrixProducts() as counter:
         zeropower(random_matrix(batch, 12, 20), steps, "quintic", dtype=torch.float32)
-    assert counter.count == 3 * steps  # X X^T, b A + c A A, a X + B X: independent of the batch size
+    # X X^T and b A + c A A: one batched call each per step, whatever the batch. a X + B X: one per matrix on CPUs,
+    # whose BLAS runs its batched entry point slower than a loop (newton_schulz._scaled_plus_product).
+    assert counter.count == 2 * steps + steps * batch
 
 
 @pytest.mark.parametrize("shape", [(24, 40), (4, 24, 40)])

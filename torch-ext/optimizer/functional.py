@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw
 
 from . import native
 from .coefficients import Coefficients
@@ -72,7 +71,9 @@ def guard_sum(tensor: Tensor) -> Tensor:
 
 def nonfinite_flag(tensor: Tensor) -> Tensor:
     """float32 0-dim on the tensor's device: 1.0 if it holds a NaN or Inf (see `guard_sum`), else 0.0."""
-    return torch.where(guard_sum(tensor).isfinite(), 0.0, 1.0)
+    # Two ops on a 0-dim tensor, where isfinite() and a where() take five: a small AdamW parameter costs little more.
+    flag = guard_sum(tensor).mul_(0.0)  # 0 (or -0) for a finite sum; NaN for an infinite or NaN one
+    return flag.nan_to_num_(nan=1.0).to(torch.float32)
 
 
 @dataclass
@@ -151,22 +152,30 @@ class AdamWTensors:
     nonfinite_skips: Tensor
 
 
+# Inductor cannot lower the fused kernel (it mutates its inputs in place), so a compiled step calls it eagerly, as
+# torch's own AdamW does.
+_fused_adamw_kernel = torch.compiler.disable(torch._fused_adamw_)
+
+
 def adamw_update(items: Sequence[AdamWTensors], found_inf: Sequence[Tensor], *, lr: LearningRate,
                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """torch's fused AdamW, one parameter per call so that each has its own skip flag (`found_inf`)."""
-    if not items:
-        return
+    """torch's fused AdamW kernel, one parameter per call so that each has its own skip flag (`found_inf`).
+
+    The kernel is called directly: `torch.optim.adamw.adamw`'s grouping and checks cost ~25 µs per call, more than the
+    kernel itself on a bias vector, and here each call holds one tensor of known device and dtype. What that wrapper
+    adds around the kernel is done here: the step count moves by 1 - found_inf, and a tensor lr goes to the device."""
     for item, flag in zip(items, found_inf, strict=True):
         item.nonfinite_skips.add_(flag.to(item.nonfinite_skips.dtype))
+        item.step.add_(1).sub_(flag)
         # torch's CPU fused AdamW walks every tensor as if it were contiguous: on a strided view (a column, a
         # transposed weight) it computes a wrong update and writes beside the view. So it gets contiguous tensors,
         # and what was a copy goes back.
         written = [item.param, item.exp_avg, item.exp_avg_sq]
         contiguous = [tensor.contiguous() for tensor in written]
-        param, exp_avg, exp_avg_sq = contiguous
-        adamw([param], [item.grad.contiguous()], [exp_avg], [exp_avg_sq], [], [item.step], fused=True,
-              found_inf=flag, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
-              weight_decay=weight_decay, eps=eps, maximize=False)
+        step_lr = lr.to(item.param.device) if isinstance(lr, Tensor) else lr
+        _fused_adamw_kernel([contiguous[0]], [item.grad.contiguous()], [contiguous[1]], [contiguous[2]], [],
+                            [item.step], lr=step_lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay,
+                            eps=eps, amsgrad=False, maximize=False, found_inf=flag)
         for original, result in zip(written, contiguous):
             if result is not original:
                 original.copy_(result)
