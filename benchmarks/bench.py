@@ -170,8 +170,9 @@ def faster_torch_dtype(device: torch.device, repeats: int) -> tuple[torch.dtype,
 
 def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype], torch_dtype: torch.dtype,
                     shapes: list[tuple[int, int]], repeats: int, compiled_reference: bool) -> list[Row]:
-    """Five Newton-Schulz steps: ours (Polar Express) in each of `ns_dtypes` vs torch.optim.Muon's routine in
-    `torch_dtype`, and the time of our matrix products alone (what the rest of zeropower adds is its overhead)."""
+    """Five Newton-Schulz steps: ours (Polar Express) in each of `ns_dtypes`, by every backend and with the Gram
+    iteration, vs torch.optim.Muon's routine in `torch_dtype`, and the time of our standard iteration's matrix
+    products alone (what the rest of zeropower adds is its overhead). GFLOP are the standard iteration's."""
     rows = []
     coefficients = (3.4445, -4.7750, 2.0315)
     reference = _zeropower_via_newtonschulz
@@ -196,9 +197,18 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype
                 rows.append(Row("zeropower", case, label, ms, flop, baseline))
             if not compiled_reference:
                 rows.append(_products_alone_row(optimizer, G.to(ns_dtype), case, flop, baseline, repeats))
+                ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, algorithm="gram"), device, repeats)
+                rows.append(Row("zeropower", case, f"zeropower {str(ns_dtype).removeprefix('torch.')} "
+                                f"algorithm=gram (auto would pick {_ns_algorithm(optimizer, m, n)})", ms, flop,
+                                baseline))
         if not compiled_reference and device.type == "cuda":
             rows += _emerging_newton_schulz_rows(G, case, flop, baseline, repeats)
     return rows
+
+
+def _ns_algorithm(optimizer, m: int, n: int) -> str:
+    module = importlib.import_module(f"{optimizer.__name__}.newton_schulz")
+    return module.resolve_algorithm("auto", sorted((m, n)), 5)
 
 
 def _products_alone_row(optimizer, G: torch.Tensor, case: str, flop: float, baseline: float, repeats: int) -> Row:
@@ -539,7 +549,7 @@ def main() -> None:
     else:
         device_name = f"{_cpu_model()}, {torch.get_num_threads()} threads"
         dtype, gram_shapes = torch.float32, [(512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 4096)]
-        ns_shapes = [(768, 768), (768, 3072), (2048, 2048)]
+        ns_shapes = [(768, 768), (768, 3072), (1024, 4096), (2048, 2048)]
     peak = peak_gflops(device, dtype, args.repeats)
     torch_dtype, rates = faster_torch_dtype(device, args.repeats)
     choice = optimizer.ns_dtype_choice(device)

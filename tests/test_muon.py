@@ -188,6 +188,22 @@ def test_2d_update_is_polar_factor() -> None:
     torch.testing.assert_close(one_step_update(torch.zeros_like(grad), grad), polar_factor(grad), **POLAR_TOL)
 
 
+@pytest.mark.parametrize("ns_algorithm", ["gram", "auto"])
+@pytest.mark.parametrize("shape", [(40, 120), (120, 40), (3, 16, 48)])
+def test_gram_newton_schulz_updates_are_polar_factors_too(ns_algorithm: str, shape: tuple[int, ...]) -> None:
+    grad = torch.randn(shape, dtype=torch.float64)
+    update = one_step_update(torch.zeros_like(grad), grad, ns_algorithm=ns_algorithm)
+    torch.testing.assert_close(update, torch.stack([polar_factor(g) for g in grad.reshape(-1, *shape[-2:])])
+                               .reshape(shape), **POLAR_TOL)
+    standard = one_step_update(torch.zeros_like(grad), grad)
+    assert not torch.equal(update, standard)  # the option reached the iteration: its rounding differs
+
+
+def test_an_unknown_ns_algorithm_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"Invalid ns_algorithm: 'newton'.*'standard', 'gram', 'auto'"):
+        Muon([torch.randn(4, 8)], ns_algorithm="newton")
+
+
 def test_conv_flatten_and_batched_modes() -> None:
     grad = torch.randn(16, 8, 3, 3, dtype=torch.float64)
     flat = one_step_update(torch.zeros_like(grad), grad, conv_mode="flatten")

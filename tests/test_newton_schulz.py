@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 
 from optimizer.coefficients import polar_express_coefficients  # noqa: E402
-from optimizer.newton_schulz import newton_schulz, zeropower  # noqa: E402
+from optimizer.newton_schulz import newton_schulz, resolve_algorithm, zeropower  # noqa: E402
 
 KELLER_JORDAN = (3.4445, -4.7750, 2.0315)
 DESIGN_LOWER_BOUND = 1e-3  # the smallest normalized singular value the default Polar Express schedule targets
@@ -220,3 +220,79 @@ def test_bad_arguments_are_rejected(kwargs, message):
     arguments = {"G": torch.ones(4, 6), **kwargs}
     with pytest.raises(ValueError, match=message):
         zeropower(**arguments)
+
+
+# --- Gram Newton-Schulz -----------------------------------------------------------------------------------------
+
+def composed_polynomial(s: torch.Tensor, steps: int) -> torch.Tensor:
+    """What the whole iteration does to each normalized singular value, in float64."""
+    for a, b, c in polar_express_coefficients(steps):
+        s = a * s + b * s**3 + c * s**5
+    return s
+
+
+def batch_with_spectrum(shape: tuple[int, ...], condition: float, seed: int = 0):
+    """(G, U p(S) Vᵀ) in float64 for a matrix or batch with singular values log-spaced over `condition`: the exact
+    output of five Polar Express steps (p composed over the steps) is known from G's SVD."""
+    generator = torch.Generator().manual_seed(seed)
+    *batch, rows, cols = shape
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(*batch, rows, k, generator=generator, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(*batch, cols, k, generator=generator, dtype=torch.float64))
+    s = torch.logspace(0, -math.log10(condition), k, dtype=torch.float64)
+    G = (u * s) @ v.mT
+    return G, (u * composed_polynomial(s / s.norm(), 5)) @ v.mT
+
+
+# Largest spectral-norm distance from U p(S) Vᵀ, measured on these shapes (in brackets) with a margin. The Gram
+# iteration maps an eigenvalue λ of R = X Xᵀ to P(λ)² λ, so rounding that makes a tiny λ negative grows with every
+# step where X's singular values are small; float32 keeps it near 1e-3 at condition numbers of 1e3 and beyond. In
+# bfloat16 both iterations leave the smallest singular values far from p's values (the polynomial is steep there).
+GRAM_BOUNDS = {(torch.float32, 10.0): 1e-4,  # standard [6e-6], gram [2e-5]
+               (torch.float32, 1e3): 1e-2, (torch.float32, 1e6): 1e-2,  # standard [2e-5], gram [3.4e-3]
+               (torch.bfloat16, 10.0): 0.1,  # standard [5e-2], gram [4e-2]
+               (torch.bfloat16, 1e3): 0.6, (torch.bfloat16, 1e6): 1.3}  # standard [0.55], gram [1.04]
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("condition", [10.0, 1e3, 1e6])
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128), (4, 48, 96)])
+def test_both_algorithms_apply_the_composed_polynomial(algorithm, dtype, condition, shape):
+    G, expected = batch_with_spectrum(shape, condition)
+    out = zeropower(G.float(), 5, "polar_express", dtype=dtype, algorithm=algorithm).double()
+    error = torch.linalg.matrix_norm(out - expected, ord=2).max().item()
+    assert error <= GRAM_BOUNDS[dtype, condition], error
+    assert torch.linalg.matrix_norm(out, ord=2).max().item() <= 1 + design_band(5) + GRAM_BOUNDS[dtype, condition]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("steps", [5, 8])  # 8 steps restart once
+def test_gram_on_rank_deficient_input_is_finite_and_keeps_the_null_space(dtype, steps):
+    generator = torch.Generator().manual_seed(0)
+    G = torch.randn(48, 3, generator=generator, dtype=torch.float64) @ torch.randn(3, 160, generator=generator,
+                                                                                   dtype=torch.float64)
+    G[7] = 0.0
+    out = zeropower(G.float(), steps, "polar_express", dtype=dtype, algorithm="gram").double()
+    assert torch.isfinite(out).all()
+    assert out[7].abs().max().item() == 0.0  # a zero row stays zero: nothing is inverted
+    if dtype == torch.float32:  # a bf16 copy of G is full rank (rounding), and any iteration amplifies that part
+        U, _, _ = torch.linalg.svd(G, full_matrices=False)
+        assert spectral_norm(out - U[:, :3] @ U[:, :3].mT @ out) <= 0.05  # nothing outside G's 3D range
+
+
+def test_gram_with_a_restart_matches_the_standard_iteration():
+    G, _ = batch_with_spectrum((96, 288), 100.0)
+    standard = zeropower(G.float(), 8, "polar_express", dtype=torch.float32)
+    gram = zeropower(G.float(), 8, "polar_express", dtype=torch.float32, algorithm="gram")
+    assert spectral_norm(gram - standard) <= 1e-3
+
+
+@pytest.mark.parametrize("shape, expected", [((768, 3072), "gram"), ((3072, 768), "gram"), ((1024, 4096), "gram"),
+                                             ((768, 768), "standard"), ((768, 1024), "standard")])
+def test_auto_picks_the_algorithm_with_fewer_flops(shape, expected):
+    wide = tuple(sorted(shape))
+    assert resolve_algorithm("auto", wide, 5) == expected
+    G = random_matrix(*(size // 32 for size in shape))
+    torch.testing.assert_close(zeropower(G, 5, algorithm="auto"), zeropower(G, 5, algorithm=expected),
+                               rtol=0, atol=0)

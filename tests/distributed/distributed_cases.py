@@ -59,7 +59,7 @@ def run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], tor
     with the same global gradients; `nan_at` = (param index, step, element) puts a NaN in one gradient."""
     reference = [_global(p).detach().clone() for p in params]
     ours = Muon(params, **OPTIONS, **options)
-    truth = Muon(reference, **OPTIONS)
+    truth = Muon(reference, **OPTIONS, **options)  # the distribution-only options do nothing on one device
     for step in range(STEPS):
         grads = randn_tensors(shapes, seed=100 + step)
         if nan_at is not None and nan_at[1] == step:
@@ -172,6 +172,7 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "shard1_1d": partial(dtensor_case, (world,), [Shard(1)]),
         "replicate_1d": partial(dtensor_case, (world,), [Replicate()]),
         "shard0_one_matrix_per_chunk": partial(dtensor_case, (world,), [Shard(0)], chunk_size=1),
+        "shard0_gram_newton_schulz": partial(dtensor_case, (world,), [Shard(0)], ns_algorithm="gram"),
         "nonfinite_on_one_shard_skips_everywhere": partial(nonfinite_shard_case, world),
         "ddp_process_group": partial(ddp_case, world),
         "ddp_process_group_bf16_comm": partial(ddp_case, world, torch.bfloat16, TRAINED_BF16_ATOL),

@@ -120,7 +120,7 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
 
 def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
                 coefficients: list[Coefficients], eps: float, adjust_lr_fn: str | None,
-                ns_dtype: torch.dtype) -> None:
+                ns_dtype: torch.dtype, ns_algorithm: str) -> None:
     """Momentum, batched Newton-Schulz per bucket, decoupled weight decay and the scaled update."""
     for (device, _, rows, cols), bucket in _bucket(items).items():
         batches = [item.view.batch for item in bucket]
@@ -128,7 +128,7 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         finite = _momentum_into(bucket, matrices, momentum, nesterov)
         # A skipped parameter's momentum step wrote zeros, and Newton-Schulz maps zero to exactly zero (the norm is
         # clamped, and each matrix of the batch is independent), so its update below adds exactly nothing.
-        orthogonal = newton_schulz(matrices, coefficients, eps, dtype=ns_dtype)
+        orthogonal = newton_schulz(matrices, coefficients, eps, dtype=ns_dtype, algorithm=ns_algorithm)
         params = [item.param for item in bucket]
         skipped = finite.eq(0)
         for item, was_skipped in zip(bucket, skipped.unbind()):

@@ -17,6 +17,7 @@ from .coefficients import Coefficients, resolve_coefficients
 from .distributed.finite import found_inf_flags
 from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, muon_update
+from .newton_schulz import NS_ALGORITHMS
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
@@ -136,6 +137,7 @@ def _validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported (adjust_lr_fn: "
                          f"expected one of {', '.join(map(repr, (*ADJUST_LR_FNS, None)))})")
     _check_choice("conv_mode", group["conv_mode"], CONV_MODES)
+    _check_choice("ns_algorithm", group["ns_algorithm"], NS_ALGORITHMS)
     _check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
     _check_choice("use_muon", group["use_muon"], (None, True, False))
     dtype = group["ns_dtype"]
@@ -219,6 +221,9 @@ class Muon(Optimizer):
         adjust_lr_fn: "match_rms_adamw" (0.2 * sqrt(max(out, in))), "original" (sqrt(max(1, out / in))),
             "spectral" (sqrt(out / in)) or None (no scaling).
         ns_dtype: Newton-Schulz compute dtype; None is bfloat16 on accelerators and float32 on CPUs.
+        ns_algorithm: "standard" (three products of the matrix's size per step), "gram" (the same polynomial
+            applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices) or "auto" (per shape, the
+            one with fewer FLOPs: "gram" from an aspect ratio of about 1.5).
         conv_mode: "flatten" (out, in * k) or "batched" (one (out, in) matrix per kernel position).
         adamw_lr_scale: AdamW's lr is lr * adamw_lr_scale (None: 1), so whatever moves lr moves it too.
         adamw_lr: shorthand for adamw_lr_scale = adamw_lr / lr, with lr as given here (or in the group).
@@ -241,7 +246,7 @@ class Muon(Optimizer):
                  lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, ns_coefficients: str | list[Coefficients] = "polar_express", eps: float = 1e-7,
                  adjust_lr_fn: str | None = "match_rms_adamw", ns_dtype: torch.dtype | None = None,
-                 conv_mode: str = "flatten", adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
+                 ns_algorithm: str = "standard", conv_mode: str = "flatten", adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
                  chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
@@ -249,7 +254,7 @@ class Muon(Optimizer):
                  qk_clip_threshold: float = DEFAULT_THRESHOLD) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
-                        conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
+                        ns_algorithm=ns_algorithm, conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
                         adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
                         comm_dtype=comm_dtype, chunk_size=chunk_size, use_muon=None, param_layout="auto")
         defaults = _adamw_lr_as_scale(defaults, lr)
@@ -367,7 +372,8 @@ class Muon(Optimizer):
         settings = dict(lr=_learning_rate(group["lr"]), weight_decay=_as_real(group["weight_decay"]),
                         momentum=_as_real(group["momentum"]), nesterov=group["nesterov"],
                         coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
-                        eps=_as_real(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype)
+                        eps=_as_real(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype,
+                        ns_algorithm=group["ns_algorithm"])
         spread: list[MuonTensors] = []
         local: list[MuonTensors] = []
         for item in items:

@@ -12,19 +12,23 @@ from .coefficients import Coefficients, resolve_coefficients
 from .dispatch import check_backend, resolve_backend, symmetric_gram, symmetric_polynomial
 from .precision import default_ns_dtype
 
+NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram", "auto")
+
 # Each step costs three matrix products, and no schedule here improves past about ten steps.
 _MAX_STEPS = 100
 
 
 def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficients] = "polar_express",
-              dtype: torch.dtype | None = None, eps: float = 1e-7, backend: str | None = None) -> Tensor:
+              dtype: torch.dtype | None = None, eps: float = 1e-7, backend: str | None = None,
+              algorithm: str = "standard") -> Tensor:
     """Approximate U V^T for a matrix (m, n) or for each matrix of a batch (B, m, n), computed in `dtype` (None: the
     dtype G's device multiplies fastest in, `default_ns_dtype(G.device)`).
 
     `coefficients` is a preset name ("original", "quintic", "polar_express") or a sequence of (a, b, c)
     triples, one per step (the last repeats). `backend` ("torch", "cpu", "cuda", "triton") forces the kernel for
-    the symmetric products; None lets `kernel_choice` pick by device, dtype and shape. The result has G's shape
-    and dtype.
+    the symmetric products; None lets `kernel_choice` pick by device, dtype and shape. `algorithm`: "standard"
+    (three products of X's size per step), "gram" (the same polynomial applied through X's Gram matrix, cheaper for
+    rectangular X) or "auto" (the one with fewer FLOPs for the shape). The result has G's shape and dtype.
     """
     _check_matrix(G)
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _MAX_STEPS:
@@ -38,8 +42,10 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
         raise ValueError(f"Invalid eps: {eps!r} (expected a finite number > 0)")
     if backend is not None:
         check_backend(backend, dtype, G.device)
+    if algorithm not in NS_ALGORITHMS:
+        raise ValueError(f"Invalid algorithm: {algorithm!r} (expected one of {', '.join(map(repr, NS_ALGORITHMS))})")
     schedule = resolve_coefficients(coefficients, steps)
-    return newton_schulz(G.to(staging_dtype(dtype)), schedule, eps, backend, dtype).to(G.dtype)
+    return newton_schulz(G.to(staging_dtype(dtype)), schedule, eps, backend, dtype, algorithm).to(G.dtype)
 
 
 def staging_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -49,7 +55,7 @@ def staging_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, backend: str | None = None,
-                  dtype: torch.dtype | None = None) -> Tensor:
+                  dtype: torch.dtype | None = None, algorithm: str = "standard") -> Tensor:
     """The iteration itself for validated inputs: G is (m, n) or (B, m, n), one step per triple.
 
     Works on the wide orientation (the Gram matrix is min(m, n) squared) and scales each matrix by its
@@ -57,7 +63,8 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     happens in G's dtype, the iteration in `dtype` (None: G's), so a float16 iteration can start from a float32
     G (see `staging_dtype`). For a 2D G in the iteration's dtype the operations and their order are those of
     torch.optim.Muon, so with the "torch" backend results match it bit for bit. The symmetric products go
-    through `backend` (None: chosen per device, dtype and shape).
+    through `backend` (None: chosen per device, dtype and shape). `algorithm` is "standard", "gram" (the iteration on
+    the Gram matrix, `_gram_iteration`) or "auto" (whichever takes fewer FLOPs for this shape).
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
@@ -65,11 +72,79 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
     X = (X / norm.clamp(min=eps)).to(dtype or G.dtype)
     backend = resolve_backend(X, backend)
-    for a, b, c in coefficients:
-        gram = symmetric_gram(X, backend)
-        polynomial = symmetric_polynomial(gram, b, c, backend)  # b*A + c*A@A
-        X = _scaled_plus_product(X, polynomial, a)  # a*X + (b*A + c*A@A) @ X
+    if resolve_algorithm(algorithm, X.shape, len(coefficients)) == "gram":
+        X = _gram_iteration(X, coefficients, backend)
+    else:
+        for a, b, c in coefficients:
+            gram = symmetric_gram(X, backend)
+            polynomial = symmetric_polynomial(gram, b, c, backend)  # b*A + c*A@A
+            X = _scaled_plus_product(X, polynomial, a)  # a*X + (b*A + c*A@A) @ X
     return X.mT if tall else X
+
+
+def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int) -> str:
+    """"standard" or "gram" for a wide (m, n) matrix (or a batch of them); "auto" picks the one with fewer FLOPs."""
+    if algorithm != "auto":
+        return algorithm
+    m, n = shape[-2], shape[-1]
+    return "gram" if gram_flop(m, n, steps) < standard_flop(m, n, steps) else "standard"
+
+
+def standard_flop(m: int, n: int, steps: int) -> float:
+    """Full-product FLOPs of the standard iteration on a wide (m, n) matrix: per step X Xᵀ, A², P X."""
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def gram_flop(m: int, n: int, steps: int) -> float:
+    """Full-product FLOPs of the Gram iteration: X Xᵀ and Q X once each, and 4 steps - 3 products of m x m (see
+    `_gram_iteration`; each restart adds a Q X and an X Xᵀ)."""
+    restarts = len(_restart_steps(steps))
+    return (1 + restarts) * 4.0 * m * m * n + (4 * steps - 3 + restarts) * 2.0 * m ** 3
+
+
+def _restart_steps(steps: int) -> tuple[int, ...]:
+    """Steps before which the Gram iteration rebuilds X and its Gram matrix from the accumulated Q: one restart
+    halfway once there are more than five steps, so that rounding accumulated in Q and R stays that of a few steps."""
+    return (steps // 2,) if steps > 5 else ()
+
+
+# For 16-bit dtypes the Gram matrix and everything done with it are float32, and only the final Q X is 16-bit. The
+# iteration maps an eigenvalue λ of R to P(λ)² λ, which for λ < 0 grows without bound: a bf16 R (or one rounded
+# to bf16 after a float32 product) has negative eigenvalues of ~4e-3 where X's singular values are small, and the
+# result blew up (polar error 1e2 to 1e11 at condition numbers 1e3 to 1e6, where the standard bf16 iteration stays
+# below 1.3). A float32 X Xᵀ of the bf16 X keeps them at ~1e-7, which five steps amplify to ~0.1 at most.
+_GRAM_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: str) -> Tensor:
+    """Gram Newton-Schulz: the same polynomial iteration, carried out on the (m, m) Gram matrix of a wide X.
+
+    Every step multiplies X on the left by P = a I + b R + c R² with R = X Xᵀ, so X_k = Q_k X_0 with Q_k the product of
+    the P's, and R_{k+1} = P R_k P. Because P is a polynomial in R_k the two commute, so W = R P = a R + Z R and
+    R_{k+1} = P W = a W + Z W with Z = b R + c R²: four m x m products per step instead of two (m, n) ones, and one
+    Q X_0 at the end. Nothing is inverted, so rank-deficient input stays finite.
+    """
+    restarts = _restart_steps(len(coefficients))
+    start = X
+    inner_dtype = _GRAM_DTYPE.get(X.dtype, X.dtype)
+    if inner_dtype != X.dtype:
+        backend = resolve_backend(X.to(inner_dtype), None)
+    R = symmetric_gram(start.to(inner_dtype), backend)
+    Q: Tensor | None = None
+    for step, (a, b, c) in enumerate(coefficients):
+        if step in restarts:
+            start = torch.matmul(Q.to(start.dtype), start)
+            R, Q = symmetric_gram(start.to(inner_dtype), backend), None
+        Z = symmetric_polynomial(R, b, c, backend)  # b R + c R²
+        if Q is None:  # P itself: Z + a I
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = _scaled_plus_product(Q, Z, a)  # P Q
+        if step + 1 < len(coefficients) and step + 1 not in restarts:
+            W = _scaled_plus_product(R, Z, a)  # R P
+            R = _scaled_plus_product(W, Z, a)  # P R P
+    return torch.matmul(Q.to(start.dtype), start)
 
 
 def _scaled_plus_product(X: Tensor, P: Tensor, a: float) -> Tensor:

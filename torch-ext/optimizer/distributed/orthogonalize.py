@@ -14,7 +14,7 @@ from ..routing import MatrixView
 
 
 def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: Sequence[Tensor], *,
-                  coefficients: Sequence[Coefficients], eps: float, ns_dtype: torch.dtype,
+                  coefficients: Sequence[Coefficients], eps: float, ns_dtype: torch.dtype, ns_algorithm: str,
                   out_dtype: torch.dtype) -> list[Tensor]:
     """Newton-Schulz of each whole parameter (in its own layout), one batched call per matrix shape.
 
@@ -27,7 +27,7 @@ def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: 
         buckets.setdefault((view.rows, view.cols), []).append(index)
     for indices in buckets.values():
         stack = torch.cat([views[i].to_matrices(fulls[i]).to(staging_dtype(ns_dtype)) for i in indices])
-        orthogonal = newton_schulz(stack, coefficients, eps, dtype=ns_dtype)
+        orthogonal = newton_schulz(stack, coefficients, eps, dtype=ns_dtype, algorithm=ns_algorithm)
         batches = [views[i].batch for i in indices]
         keep = torch.cat([finite[i].expand(views[i].batch) for i in indices]).view(-1, 1, 1) > 0
         orthogonal = torch.where(keep, orthogonal, 0.0)

@@ -33,6 +33,7 @@ class SpreadSettings:
     rank: int
     comm_dtype: torch.dtype
     ns_dtype: torch.dtype
+    ns_algorithm: str
     coefficients: list[Coefficients]
     eps: float
     momentum: float
@@ -93,7 +94,8 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPi
     results = orthogonalize([chunk[j].layout.to_global(fulls[j]) for j in owned],
                             [chunk[j].tensors.view for j in owned],
                             [finite[j] for j in owned], coefficients=settings.coefficients, eps=settings.eps,
-                            ns_dtype=settings.ns_dtype, out_dtype=settings.comm_dtype)
+                            ns_dtype=settings.ns_dtype, ns_algorithm=settings.ns_algorithm,
+                            out_dtype=settings.comm_dtype)
     orthogonal = {j: chunk[j].layout.to_storage(result) for j, result in zip(owned, results)}
     del fulls
     send = _pack(orthogonal, scatter, send.device, settings.comm_dtype)
