@@ -152,11 +152,9 @@ class AdamWTensors:
     nonfinite_skips: Tensor
 
 
-# Inductor cannot lower the fused kernel (it mutates its inputs in place), so a compiled step calls it eagerly, as
-# torch's own AdamW does.
-_fused_adamw_kernel = torch.compiler.disable(torch._fused_adamw_)
-
-
+# Inductor cannot lower the fused kernel (it mutates its inputs in place), so a compiled step runs this eagerly, as
+# torch's own AdamW does: one break per group, not one per parameter (whose resumed frames would each recompile).
+@torch.compiler.disable
 def adamw_update(items: Sequence[AdamWTensors], found_inf: Sequence[Tensor], *, lr: LearningRate,
                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """torch's fused AdamW kernel, one parameter per call so that each has its own skip flag (`found_inf`).
@@ -173,7 +171,7 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Sequence[Tensor], *, 
         written = [item.param, item.exp_avg, item.exp_avg_sq]
         contiguous = [tensor.contiguous() for tensor in written]
         step_lr = lr.to(item.param.device) if isinstance(lr, Tensor) else lr
-        _fused_adamw_kernel([contiguous[0]], [item.grad.contiguous()], [contiguous[1]], [contiguous[2]], [],
+        torch._fused_adamw_([contiguous[0]], [item.grad.contiguous()], [contiguous[1]], [contiguous[2]], [],
                             [item.step], lr=step_lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay,
                             eps=eps, amsgrad=False, maximize=False, found_inf=flag)
         for original, result in zip(written, contiguous):

@@ -385,9 +385,11 @@ class Muon(Optimizer):
                                     chunk_size=group["chunk_size"], **settings)
 
     def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
+        if not items:  # nothing to do, and no call into the eager-only AdamW kernel to break a compiled graph
+            return
         weight_decay = group["adamw_weight_decay"]
         # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
-        found_inf = found_inf_flags([item.grad for item in items]) if items else []
+        found_inf = found_inf_flags([item.grad for item in items])
         adamw_update(items, found_inf, lr=self._adamw_lr(group), betas=tuple(map(_as_real, group["adamw_betas"])),
                      eps=_as_real(group["adamw_eps"]),
                      weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))

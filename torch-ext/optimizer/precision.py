@@ -38,6 +38,7 @@ class NsDtypeChoice(NamedTuple):
 
 
 @functools.cache
+@torch.compiler.disable  # torch's probes cannot be traced; a compiled step reads the choice as a constant
 def cpu_matrix_units() -> frozenset[str]:
     """Which of CPU_MATRIX_UNITS this CPU has: torch's own probes, and /proc/cpuinfo for AVX512-FP16 (which torch does
     not probe). Empty on non-x86 CPUs."""

@@ -68,7 +68,7 @@ def suits_muon(shape: torch.Size, layout: str = "auto", conv_mode: str = "flatte
     if len(shape) < 2 or 0 in shape:
         return False
     view = matrix_view(shape, layout, conv_mode)
-    short, long = sorted((view.rows, view.cols))
+    short, long = min(view.rows, view.cols), max(view.rows, view.cols)  # not sorted(): dynamo cannot sort SymInts
     return short >= 2 and long <= MAX_ASPECT_RATIO * short
 
 
