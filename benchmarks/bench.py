@@ -86,6 +86,23 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> f
     return statistics.median(times)
 
 
+def paired_medians_ms(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
+    """Median wall times of several functions measured side by side: on CPUs in rounds that run each once, so that
+    a machine that slows down for a while slows every one of them alike (steps take seconds: a drift between two
+    back-to-back medians moved the ratio by 20%); on GPUs `do_bench` for each."""
+    if device.type == "cuda":
+        return [median_ms(fn, device, repeats) for fn in fns]
+    for fn in fns:
+        fn()  # warm-up: lazy optimizer state, compilation
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, measured in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            measured.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(measured) for measured in times]
+
+
 def gram_flop(m: int, k: int) -> float:
     return 2.0 * m * m * k
 
@@ -281,26 +298,28 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         flop = sum(newton_schulz_flop(*shape, 5) for shape in matrix_shapes) * copies
         theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
                   torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
-        with torch_muon_computing_in(torch_dtype):
-            baseline = median_ms(lambda: [opt.step() for opt in theirs], device, repeats)
-        case = f"{name}, {len(matrices)} matrices + {len(vectors)} AdamW tensors"
-        rows.append(Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + "
-                        "fused AdamW", baseline, flop, baseline))
         ours = optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02)
-        ms = median_ms(ours.step, device, repeats)
-        rows.append(Row("Muon.step", case, "optimizer.Muon (defaults)", ms, flop, baseline))
         compiled_step = torch.compile(ours.step)
         compiled_step()  # compiles twice: before and after the step that creates the optimizer state
-        ms = median_ms(compiled_step, device, repeats)
-        rows.append(Row("Muon.step", case, "torch.compile(optimizer.Muon.step)", ms, flop, baseline))
+
+        def torch_step() -> None:
+            with torch_muon_computing_in(torch_dtype):
+                for opt in theirs:
+                    opt.step()
+
+        baseline, eager, compiled = paired_medians_ms([torch_step, ours.step, compiled_step], device, repeats)
+        case = f"{name}, {len(matrices)} matrices + {len(vectors)} AdamW tensors"
+        rows += [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + "
+                     "fused AdamW", baseline, flop, baseline),
+                 Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline),
+                 Row("Muon.step", case, "torch.compile(optimizer.Muon.step)", compiled, flop, baseline)]
         adamw_case = f"{name}, its {len(vectors)} AdamW tensors alone"
         fused = torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)
-        adamw_baseline = median_ms(fused.step, device, repeats)
-        rows.append(Row("AdamW part", adamw_case, "torch.optim.AdamW(fused=True)", adamw_baseline, 0.0,
-                        adamw_baseline))
         ours_adamw = optimizer.Muon([dict(params=vectors, use_muon=False)], lr=0.02)
-        rows.append(Row("AdamW part", adamw_case, "optimizer.Muon (non-finite guard included)",
-                        median_ms(ours_adamw.step, device, repeats), 0.0, adamw_baseline))
+        adamw_baseline, adamw_ours = paired_medians_ms([fused.step, ours_adamw.step], device, 3 * repeats)
+        rows += [Row("AdamW part", adamw_case, "torch.optim.AdamW(fused=True)", adamw_baseline, 0.0, adamw_baseline),
+                 Row("AdamW part", adamw_case, "optimizer.Muon (non-finite guard included)", adamw_ours, 0.0,
+                     adamw_baseline)]
     return rows
 
 

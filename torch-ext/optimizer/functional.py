@@ -152,9 +152,6 @@ class AdamWTensors:
     nonfinite_skips: Tensor
 
 
-# Inductor cannot lower the fused kernel (it mutates its inputs in place), so a compiled step runs this eagerly, as
-# torch's own AdamW does: one break per group, not one per parameter (whose resumed frames would each recompile).
-@torch.compiler.disable
 def adamw_update(items: Sequence[AdamWTensors], found_inf: Sequence[Tensor], *, lr: LearningRate,
                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """torch's fused AdamW kernel, one parameter per call so that each has its own skip flag (`found_inf`).

@@ -384,9 +384,14 @@ class Muon(Optimizer):
             distributed_muon_update(spread, process_group=self.process_group, comm_dtype=group["comm_dtype"],
                                     chunk_size=group["chunk_size"], **settings)
 
+    # torch's fused AdamW kernel cannot go into a compiled graph (inductor cannot lower it; torch keeps it out of its
+    # own): the whole AdamW part runs eagerly, one break per step, outside any loop a compiled step must keep.
+    @torch.compiler.disable
+    def _adamw_steps(self, groups: list[tuple[dict[str, Any], list[AdamWTensors]]]) -> None:
+        for group, items in groups:
+            self._adamw_step(group, items)
+
     def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
-        if not items:  # nothing to do, and no call into the eager-only AdamW kernel to break a compiled graph
-            return
         weight_decay = group["adamw_weight_decay"]
         # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
         found_inf = found_inf_flags([item.grad for item in items])
@@ -418,9 +423,12 @@ class Muon(Optimizer):
         for group in self.param_groups:
             self._check_step_inputs(group)
         gathered = [self._gather(group) for group in self.param_groups]
-        for group, (muon_items, adamw_items) in zip(self.param_groups, gathered):
+        for group, (muon_items, _) in zip(self.param_groups, gathered):
             self._muon_step(group, muon_items)
-            self._adamw_step(group, adamw_items)
+        adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(self.param_groups, gathered)
+                        if adamw_items]
+        if adamw_groups:
+            self._adamw_steps(adamw_groups)
         if qk_logits:
             qk_clip_(self.qk_clip, qk_logits, self.qk_clip_threshold, self.process_group)
         return loss
