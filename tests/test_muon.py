@@ -272,9 +272,55 @@ def test_float16_newton_schulz_neither_overflows_nor_vanishes(spike: float | Non
 def test_adjust_lr_fns_scale_the_update() -> None:
     grad = torch.randn(12, 48, dtype=torch.float64)
     base = one_step_update(torch.zeros_like(grad), grad)
-    scales = {"original": 1.0, "match_rms_adamw": 0.2 * math.sqrt(48), "spectral": math.sqrt(12 / 48)}
+    scales = {"original": 1.0, "match_rms_adamw": 0.2 * math.sqrt(48), "spectral": math.sqrt(12 / 48),
+              "rms_to_rms": math.sqrt(12 / 48), "rsqrt_in": 1 / math.sqrt(48)}  # timm's names: sqrt(out/in), 1/sqrt(in)
     for name, scale in scales.items():
         torch.testing.assert_close(one_step_update(torch.zeros_like(grad), grad, adjust_lr_fn=name), base * scale)
+
+
+# --- timm's spellings ------------------------------------------------------------------------------------------
+
+def test_a_timm_config_steps_as_the_same_config_in_our_spelling() -> None:
+    # timm's Muon: `betas` and `fallback_lr_scale` belong to its AdamW fallback, `use_fallback=True` routes a group
+    # there, "rms_to_rms" is sqrt(out/in).
+    timm_params = [torch.randn(12, 48), torch.randn(48), torch.randn(12, 48)]
+    our_params = [param.clone() for param in timm_params]
+    timm_style = Muon([dict(params=timm_params[:2]), dict(params=timm_params[2:], use_fallback=True)], lr=0.02,
+                      betas=(0.8, 0.9), fallback_lr_scale=0.5, adjust_lr_fn="rms_to_rms")
+    ours = Muon([dict(params=our_params[:2]), dict(params=our_params[2:], use_muon=False)], lr=0.02,
+                adamw_betas=(0.8, 0.9), adamw_lr_scale=0.5, adjust_lr_fn="spectral")
+    for seed in range(3):
+        seeded_grads(timm_params, seed)
+        seeded_grads(our_params, seed)
+        timm_style.step()
+        ours.step()
+    for theirs, mine in zip(timm_params, our_params):
+        assert torch.equal(theirs, mine)
+    assert timm_style.state_dict()["param_groups"] == ours.state_dict()["param_groups"]  # kept in our spelling
+
+
+def test_a_checkpoint_with_timm_keys_loads_in_our_spelling() -> None:
+    param = torch.randn(8, 8)
+    opt = Muon([param], lr=0.02)
+    saved = opt.state_dict()
+    group = saved["param_groups"][0]
+    group["betas"], group["fallback_lr_scale"] = group.pop("adamw_betas"), group.pop("adamw_lr_scale")
+    group["betas"] = (0.5, 0.6)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["adamw_betas"] == (0.5, 0.6) and "betas" not in opt.param_groups[0]
+
+
+@pytest.mark.parametrize("group, message", [
+    (dict(betas=(0.9, 0.99), adamw_betas=(0.9, 0.95)), r"Invalid betas: \(0.9, 0.99\) given with adamw_betas"),
+    (dict(fallback_lr_scale=0.1, adamw_lr_scale=0.2), r"Invalid fallback_lr_scale: 0.1 given with adamw_lr_scale"),
+    (dict(use_fallback=True, use_muon=True), r"Invalid use_fallback: True contradicts use_muon=True"),
+    (dict(use_fallback="yes"), r"Invalid use_fallback: 'yes'"),
+])
+def test_timm_and_our_name_for_one_option_must_agree(group: dict, message: str) -> None:
+    opt = Muon([torch.randn(4, 4)])
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group(dict(params=[torch.randn(4, 4)], **group))
+    assert len(opt.param_groups) == 1
 
 
 # --- non-finite and zero gradients ---------------------------------------------------------------------------

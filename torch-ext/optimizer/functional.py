@@ -20,7 +20,7 @@ from .coefficients import Coefficients
 from .newton_schulz import newton_schulz, staging_dtype
 from .routing import MatrixView
 
-ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral")
+ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rsqrt_in")
 
 # A tensor lr stays a tensor through the update, so that a compiled step never reads its value.
 LearningRate = float | Tensor
@@ -32,8 +32,10 @@ def adjusted_lr(lr: LearningRate, adjust_lr_fn: str | None, rows: int, cols: int
         return lr * math.sqrt(max(1.0, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":  # Moonshot: update RMS matches AdamW's, so AdamW's lr and wd carry over
         return lr * 0.2 * math.sqrt(max(rows, cols))
-    if adjust_lr_fn == "spectral":  # sqrt(fan_out / fan_in), the spectral-norm scaling
+    if adjust_lr_fn == "spectral":  # sqrt(fan_out / fan_in), the spectral-norm scaling (timm: "rms_to_rms")
         return lr * math.sqrt(rows / cols)
+    if adjust_lr_fn == "rsqrt_in":  # 1 / sqrt(fan_in), timm's
+        return lr / math.sqrt(cols)
     return lr
 
 

@@ -89,6 +89,36 @@ def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(map(repr, allowed))})")
 
 
+# timm's Muon names some of our options differently; a timm config runs unchanged because its keys are converted to
+# ours where groups enter (construction, add_param_group, load_state_dict): one code path per behaviour.
+_TIMM_KEYS = {"fallback_lr_scale": "adamw_lr_scale", "betas": "adamw_betas"}
+_TIMM_VALUES = {("adjust_lr_fn", "rms_to_rms"): "spectral"}
+
+
+def _from_timm_spellings(group: dict[str, Any]) -> dict[str, Any]:
+    """The group with timm's keys and values in our spelling (`use_fallback=True` is `use_muon=False`)."""
+    group = dict(group)
+    for timm_key, ours in _TIMM_KEYS.items():
+        if group.get(timm_key) is None:
+            group.pop(timm_key, None)
+            continue
+        if group.get(ours) is not None:
+            raise ValueError(f"Invalid {timm_key}: {group[timm_key]!r} given with {ours}={group[ours]!r} (timm's name "
+                             f"for the same option; give one of them)")
+        group[ours] = group.pop(timm_key)
+    if "use_fallback" in group:
+        use_fallback = group.pop("use_fallback")
+        if use_fallback is not None:
+            _check_choice("use_fallback", use_fallback, (True, False))
+            if group.get("use_muon") is not None and group["use_muon"] == use_fallback:
+                raise ValueError(f"Invalid use_fallback: {use_fallback!r} contradicts use_muon={group['use_muon']!r}")
+            group["use_muon"] = not use_fallback
+    for (key, timm_value), ours in _TIMM_VALUES.items():
+        if group.get(key) == timm_value:
+            group[key] = ours
+    return group
+
+
 def _adamw_lr_as_scale(group: dict[str, Any], reference_lr: Any) -> dict[str, Any]:
     """The group with `adamw_lr` (AdamW's learning rate when lr is `reference_lr`, accepted as a shorthand) turned
     into the `adamw_lr_scale` a group keeps: AdamW's lr is always lr * adamw_lr_scale, so whatever moves lr (a
@@ -227,7 +257,7 @@ class Muon(Optimizer):
         conv_mode: "flatten" (out, in * k) or "batched" (one (out, in) matrix per kernel position).
         adamw_lr_scale: AdamW's lr is lr * adamw_lr_scale (None: 1), so whatever moves lr moves it too.
         adamw_lr: shorthand for adamw_lr_scale = adamw_lr / lr, with lr as given here (or in the group).
-        adamw_betas, adamw_eps: AdamW's.
+        adamw_betas, adamw_eps: AdamW's (None: betas (0.9, 0.95)).
         adamw_weight_decay: AdamW's decoupled weight decay; None uses weight_decay.
         comm_dtype: dtype of the momentum and of the orthogonalized update while they travel between ranks
             (DTensor parameters, or any parameter with a process_group); torch.float32 sends them unrounded.
@@ -240,6 +270,8 @@ class Muon(Optimizer):
             to a :class:`QKClipLayer` (query and key weights, or their parameter names, and the head layout).
             `step(qk_logits={key: max_logits})` then clips those layers after the update. Not a per-group option.
         qk_clip_threshold: the largest attention logit a head may keep (Kimi's tau, 100 by default).
+        betas, fallback_lr_scale: timm's names for adamw_betas and adamw_lr_scale; groups may also say
+            ``use_fallback`` (timm's, the opposite of use_muon) and adjust_lr_fn "rms_to_rms" (timm's "spectral").
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
@@ -247,19 +279,23 @@ class Muon(Optimizer):
                  ns_steps: int = 5, ns_coefficients: str | list[Coefficients] = "polar_express", eps: float = 1e-7,
                  adjust_lr_fn: str | None = "match_rms_adamw", ns_dtype: torch.dtype | None = None,
                  ns_algorithm: str = "standard", conv_mode: str = "flatten", adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
-                 adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
+                 adamw_betas: tuple[float, float] | None = None, adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
                  chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
                  qk_clip: Mapping[Hashable, QKClipLayer] | None = None,
-                 qk_clip_threshold: float = DEFAULT_THRESHOLD) -> None:
+                 qk_clip_threshold: float = DEFAULT_THRESHOLD, *, betas: tuple[float, float] | None = None,
+                 fallback_lr_scale: float | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
                         ns_algorithm=ns_algorithm, conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
                         adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
                         comm_dtype=comm_dtype, chunk_size=chunk_size, use_muon=None, param_layout="auto")
-        defaults = _adamw_lr_as_scale(defaults, lr)
+        defaults = _adamw_lr_as_scale(_from_timm_spellings({**defaults, "betas": betas,
+                                                             "fallback_lr_scale": fallback_lr_scale}), lr)
         if defaults["adamw_lr_scale"] is None:
             defaults["adamw_lr_scale"] = 1.0
+        if defaults["adamw_betas"] is None:
+            defaults["adamw_betas"] = (0.9, 0.95)
         _validate_group(defaults)
         # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         self.process_group = process_group
@@ -287,7 +323,7 @@ class Muon(Optimizer):
         return {key: value for key, value in self.defaults.items() if key != "differentiable"}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        param_group = _adamw_lr_as_scale(param_group, param_group.get("lr", self.defaults["lr"]))
+        param_group = _adamw_lr_as_scale(_from_timm_spellings(param_group), param_group.get("lr", self.defaults["lr"]))
         candidate = {**self.defaults, **param_group}
         _validate_group(candidate)
         super().add_param_group(param_group)
@@ -449,7 +485,8 @@ class Muon(Optimizer):
         # optimizers' __setstate__ does. Every loaded group is checked before anything is loaded.
         # Checkpoints from before adamw_lr_scale kept an absolute adamw_lr, which schedulers scaled from the lr
         # they started at (`initial_lr`): that ratio is the scale.
-        state_dict = {**state_dict, "param_groups": [_adamw_lr_as_scale(saved, saved.get("initial_lr", saved["lr"]))
+        state_dict = {**state_dict, "param_groups": [_adamw_lr_as_scale(_from_timm_spellings(saved),
+                                                                        saved.get("initial_lr", saved["lr"]))
                                                      for saved in state_dict["param_groups"]]}
         state_dict = _aligned_by_name(state_dict, self.param_groups)
         state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved}
