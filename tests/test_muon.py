@@ -283,19 +283,20 @@ def test_adjust_lr_fns_scale_the_update() -> None:
 def test_a_timm_config_steps_as_the_same_config_in_our_spelling() -> None:
     # timm's Muon: `betas` and `fallback_lr_scale` belong to its AdamW fallback, `use_fallback=True` routes a group
     # there, "rms_to_rms" is sqrt(out/in).
-    timm_params = [torch.randn(12, 48), torch.randn(48), torch.randn(12, 48)]
-    our_params = [param.clone() for param in timm_params]
-    timm_style = Muon([dict(params=timm_params[:2]), dict(params=timm_params[2:], use_fallback=True)], lr=0.02,
-                      betas=(0.8, 0.9), fallback_lr_scale=0.5, adjust_lr_fn="rms_to_rms")
-    ours = Muon([dict(params=our_params[:2]), dict(params=our_params[2:], use_muon=False)], lr=0.02,
-                adamw_betas=(0.8, 0.9), adamw_lr_scale=0.5, adjust_lr_fn="spectral")
-    for seed in range(3):
-        seeded_grads(timm_params, seed)
-        seeded_grads(our_params, seed)
-        timm_style.step()
-        ours.step()
-    for theirs, mine in zip(timm_params, our_params):
-        assert torch.equal(theirs, mine)
+    def trained(fallback: dict, **options) -> tuple[list[torch.Tensor], "optimizer.Muon"]:
+        params = [torch.randn(shape, generator=torch.Generator().manual_seed(i))
+                  for i, shape in enumerate([(12, 48), (48,), (12, 48)])]
+        opt = Muon([dict(params=params[:2]), dict(params=params[2:], **fallback)], lr=0.02, **options)
+        for seed in range(3):
+            seeded_grads(params, seed)
+            opt.step()
+        return params, opt
+
+    timm_params, timm_style = trained(dict(use_fallback=True), betas=(0.8, 0.9), fallback_lr_scale=0.5,
+                                      adjust_lr_fn="rms_to_rms")
+    our_params, ours = trained(dict(use_muon=False), adamw_betas=(0.8, 0.9), adamw_lr_scale=0.5,
+                               adjust_lr_fn="spectral")
+    assert all(torch.equal(theirs, mine) for theirs, mine in zip(timm_params, our_params))
     assert timm_style.state_dict()["param_groups"] == ours.state_dict()["param_groups"]  # kept in our spelling
 
 
