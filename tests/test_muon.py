@@ -204,6 +204,18 @@ def test_an_unknown_ns_algorithm_is_refused() -> None:
         Muon([torch.randn(4, 8)], ns_algorithm="newton")
 
 
+def test_normalize_spatial_scales_batched_positions_only() -> None:
+    # timm's normalize_spatial: in "batched" mode each kernel position's update is divided by sqrt(positions).
+    grad = torch.randn(16, 8, 3, 3, dtype=torch.float64)
+    plain = one_step_update(torch.zeros_like(grad), grad, conv_mode="batched")
+    torch.testing.assert_close(one_step_update(torch.zeros_like(grad), grad, conv_mode="batched",
+                                               normalize_spatial=True), plain / 3, rtol=1e-12, atol=0)
+    flat = one_step_update(torch.zeros_like(grad), grad, conv_mode="flatten")
+    assert torch.equal(one_step_update(torch.zeros_like(grad), grad, normalize_spatial=True), flat)
+    with pytest.raises(ValueError, match="Invalid normalize_spatial: 1"):
+        Muon([grad.clone()], normalize_spatial=1)
+
+
 def test_conv_flatten_and_batched_modes() -> None:
     grad = torch.randn(16, 8, 3, 3, dtype=torch.float64)
     flat = one_step_update(torch.zeros_like(grad), grad, conv_mode="flatten")

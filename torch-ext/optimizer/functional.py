@@ -26,8 +26,14 @@ ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rs
 LearningRate = float | Tensor
 
 
-def adjusted_lr(lr: LearningRate, adjust_lr_fn: str | None, rows: int, cols: int) -> LearningRate:
-    """Scales lr for a (rows=out, cols=in) matrix so updates of different shapes have comparable size."""
+def adjusted_lr(lr: LearningRate, adjust_lr_fn: str | None, view: MatrixView,
+                normalize_spatial: bool = False) -> LearningRate:
+    """Scales lr for a parameter's (rows=out, cols=in) matrices so updates of different shapes have comparable size;
+    with `normalize_spatial`, a conv weight orthogonalized per kernel position ("batched") also gets
+    1 / sqrt(positions), as timm does."""
+    if normalize_spatial and view.spatial_batched:
+        lr = lr / math.sqrt(view.batch)
+    rows, cols = view.rows, view.cols
     if adjust_lr_fn == "original":  # Keller Jordan's Muon
         return lr * math.sqrt(max(1.0, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":  # Moonshot: update RMS matches AdamW's, so AdamW's lr and wd carry over
@@ -122,7 +128,7 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
 
 def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
                 coefficients: list[Coefficients], eps: float, adjust_lr_fn: str | None,
-                ns_dtype: torch.dtype, ns_algorithm: str) -> None:
+                ns_dtype: torch.dtype, ns_algorithm: str, normalize_spatial: bool) -> None:
     """Momentum, batched Newton-Schulz per bucket, decoupled weight decay and the scaled update."""
     for (device, _, rows, cols), bucket in _bucket(items).items():
         batches = [item.view.batch for item in bucket]
@@ -137,8 +143,8 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
             item.nonfinite_skips.add_(was_skipped)
         if weight_decay != 0:
             torch._foreach_mul_(params, list(decay_factors(skipped, lr, weight_decay, params[0].dtype).unbind()))
-        step_size = -adjusted_lr(lr, adjust_lr_fn, rows, cols)
         for item, part in zip(bucket, orthogonal.split(batches)):
+            step_size = -adjusted_lr(lr, adjust_lr_fn, item.view, normalize_spatial)
             add_scaled_(item.param, item.view.from_matrices(part, item.param.shape), step_size)
 
 

@@ -168,6 +168,8 @@ def _validate_group(group: dict[str, Any]) -> None:
                          f"expected one of {', '.join(map(repr, (*ADJUST_LR_FNS, None)))})")
     _check_choice("conv_mode", group["conv_mode"], CONV_MODES)
     _check_choice("ns_algorithm", group["ns_algorithm"], NS_ALGORITHMS)
+    if not isinstance(group["normalize_spatial"], bool):
+        raise ValueError(f"Invalid normalize_spatial: {group['normalize_spatial']!r} (expected True or False)")
     _check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
     _check_choice("use_muon", group["use_muon"], (None, True, False))
     dtype = group["ns_dtype"]
@@ -254,6 +256,9 @@ class Muon(Optimizer):
         ns_algorithm: "standard" (three products of the matrix's size per step), "gram" (the same polynomial
             applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices) or "auto" (per shape, the
             one with fewer FLOPs: "gram" from an aspect ratio of about 1.5).
+        normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
+            (timm's option; its default is True, ours False: under "match_rms_adamw" both conv modes then give every
+            entry AdamW's RMS).
         conv_mode: "flatten" (out, in * k) or "batched" (one (out, in) matrix per kernel position).
         adamw_lr_scale: AdamW's lr is lr * adamw_lr_scale (None: 1), so whatever moves lr moves it too.
         adamw_lr: shorthand for adamw_lr_scale = adamw_lr / lr, with lr as given here (or in the group).
@@ -278,7 +283,7 @@ class Muon(Optimizer):
                  lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, ns_coefficients: str | list[Coefficients] = "polar_express", eps: float = 1e-7,
                  adjust_lr_fn: str | None = "match_rms_adamw", ns_dtype: torch.dtype | None = None,
-                 ns_algorithm: str = "standard", conv_mode: str = "flatten", adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
+                 ns_algorithm: str = "standard", conv_mode: str = "flatten", normalize_spatial: bool = False, adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
                  adamw_betas: tuple[float, float] | None = None, adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
                  chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
@@ -287,7 +292,7 @@ class Muon(Optimizer):
                  fallback_lr_scale: float | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
-                        ns_algorithm=ns_algorithm, conv_mode=conv_mode, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
+                        ns_algorithm=ns_algorithm, conv_mode=conv_mode, normalize_spatial=normalize_spatial, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
                         adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
                         comm_dtype=comm_dtype, chunk_size=chunk_size, use_muon=None, param_layout="auto")
         defaults = _adamw_lr_as_scale(_from_timm_spellings({**defaults, "betas": betas,
@@ -409,7 +414,7 @@ class Muon(Optimizer):
                         momentum=_as_real(group["momentum"]), nesterov=group["nesterov"],
                         coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
                         eps=_as_real(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype,
-                        ns_algorithm=group["ns_algorithm"])
+                        ns_algorithm=group["ns_algorithm"], normalize_spatial=group["normalize_spatial"])
         spread: list[MuonTensors] = []
         local: list[MuonTensors] = []
         for item in items:

@@ -41,6 +41,7 @@ class SpreadSettings:
     lr: LearningRate
     weight_decay: float
     adjust_lr_fn: str | None
+    normalize_spatial: bool
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPi
         view = item.tensors.view
         apply_update(local_tensor(item.tensors.param), update, finite[j], item.tensors.nonfinite_skips,
                      lr=settings.lr, weight_decay=settings.weight_decay,
-                     step_size=adjusted_lr(settings.lr, settings.adjust_lr_fn, view.rows, view.cols))
+                     step_size=adjusted_lr(settings.lr, settings.adjust_lr_fn, view, settings.normalize_spatial))
 
 
 def _piece(buffer: Tensor, offset: int, box: tuple[slice, ...]) -> Tensor:
