@@ -592,9 +592,9 @@ def main() -> None:
         rows += bench_gram(optimizer, device, dtype, gram_shapes, args.repeats)
     if "zeropower" in sections:
         ns_dtypes = [choice.dtype] if device.type == "cuda" else [torch.float32, torch.bfloat16]
-        for slow in [ns for ns in ns_dtypes if _precision(optimizer).slow_dtype_reason(ns, device)]:
-            ns_dtypes.remove(slow)
-            notes.append(f"zeropower {slow} not timed: {_precision(optimizer).slow_dtype_reason(slow, device)}")
+        slow = {ns: _precision(optimizer).slow_dtype_reason(ns, device) for ns in ns_dtypes}
+        notes += [f"zeropower {ns} not timed: {reason}" for ns, reason in slow.items() if reason]
+        ns_dtypes = [ns for ns in ns_dtypes if not slow[ns]]
         rows += bench_zeropower(optimizer, device, ns_dtypes, torch_dtype, ns_shapes, args.repeats,
                                 compiled_reference=False)
         if device.type == "cuda":

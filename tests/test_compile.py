@@ -4,6 +4,10 @@ break is the AdamW part, which runs torch's fused kernel eagerly as torch does; 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import ContextManager
+
 import pytest
 import torch
 from torch import nn
@@ -25,12 +29,15 @@ def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
 
 
 def assert_steps_match(step, eager: "optimizer.Muon", params: list[torch.Tensor],
-                       eager_params: list[torch.Tensor]) -> None:
-    """Three steps of a compiled `step` and of `eager` on the same gradients end at the same parameters."""
-    for seed in range(3):
+                       eager_params: list[torch.Tensor], steps: int = 3,
+                       around_step: Callable[[int], ContextManager] = lambda seed: contextlib.nullcontext()) -> None:
+    """`steps` steps of a compiled `step` and of `eager` on the same gradients end at the same parameters; the
+    compiled step `seed` runs inside `around_step(seed)`."""
+    for seed in range(steps):
         seeded_grads(params, seed)
         seeded_grads(eager_params, seed)
-        step()
+        with around_step(seed):
+            step()
         eager.step()
     for ours, theirs in zip(params, eager_params):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
@@ -81,18 +88,18 @@ def test_a_tensor_lr_is_traced_so_a_schedule_moving_it_does_not_recompile(with_a
     eager_params = [param.clone() for param in params]
     lr = torch.tensor(0.02)
     opt, eager = optimizer.Muon(params, lr=lr), optimizer.Muon(eager_params, lr=0.02)
-    step = torch.compile(opt.step, fullgraph=not with_adamw)  # the AdamW part runs eagerly
-    for seed, value in enumerate((0.02, 0.01, 0.005, 0.001)):
-        lr.fill_(value)
-        eager.param_groups[0]["lr"] = value
-        seeded_grads(params, seed)
-        seeded_grads(eager_params, seed)
+    schedule = (0.02, 0.01, 0.005, 0.001)
+
+    @contextlib.contextmanager
+    def scheduled(seed: int) -> Iterator[None]:
+        lr.fill_(schedule[seed])
+        eager.param_groups[0]["lr"] = schedule[seed]
         # The first step creates the state, which the second step's graph differs by; after that, only lr moves.
         with torch._dynamo.config.patch(error_on_recompile=seed >= 2):
-            step()
-        eager.step()
-    for ours, theirs in zip(params, eager_params):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+            yield
+
+    step = torch.compile(opt.step, fullgraph=not with_adamw)  # the AdamW part runs eagerly
+    assert_steps_match(step, eager, params, eager_params, len(schedule), scheduled)
 
 
 def test_a_compiled_model_trains_with_muon() -> None:

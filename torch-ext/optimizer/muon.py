@@ -349,8 +349,8 @@ class Muon(Optimizer):
         """torch's listing of the groups, then what ns_dtype=None resolves to on each device, and why."""
         devices = {param.device for group in self.param_groups if group["ns_dtype"] is None
                    for param in group["params"] if self._uses_muon(group, param)}
-        choices = [f"ns_dtype=None on {device}: {ns_dtype_choice(device).dtype}, as {ns_dtype_choice(device).reason}"
-                   for device in sorted(devices, key=str)]
+        choices = [f"ns_dtype=None on {device}: {choice.dtype}, as {choice.reason}"
+                   for device in sorted(devices, key=str) for choice in [ns_dtype_choice(device)]]
         listing = super().__repr__()
         return listing[:-1] + "".join(f"{choice}\n" for choice in choices) + listing[-1:]
 

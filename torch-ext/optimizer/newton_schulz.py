@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
-from .dispatch import check_backend, resolve_backend, symmetric_gram, symmetric_polynomial
+from .dispatch import check_backend, kernel_choice, resolve_backend, symmetric_gram, symmetric_polynomial
 from .precision import default_ns_dtype
 
 NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram", "auto")
@@ -128,7 +128,7 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
     start = X
     inner_dtype = _GRAM_DTYPE.get(X.dtype, X.dtype)
     if inner_dtype != X.dtype:
-        backend = resolve_backend(X.to(inner_dtype), None)
+        backend = kernel_choice(tuple(X.shape), inner_dtype, X.device)
     R = symmetric_gram(start.to(inner_dtype), backend)
     Q: Tensor | None = None
     for step, (a, b, c) in enumerate(coefficients):
