@@ -225,7 +225,7 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype
 
 def _ns_algorithm(optimizer, m: int, n: int) -> str:
     module = importlib.import_module(f"{optimizer.__name__}.newton_schulz")
-    return module.resolve_algorithm("auto", sorted((m, n)), 5)
+    return module.resolve_algorithm("auto", sorted((m, n)), 5, torch.float32)
 
 
 def _products_alone_row(optimizer, G: torch.Tensor, case: str, flop: float, baseline: float, repeats: int) -> Row:

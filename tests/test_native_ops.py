@@ -1,4 +1,5 @@
-"""`native.muon_momentum_` on both paths (the compiled op and the pure-PyTorch fallback) against float64 torch.lerp.
+"""`native.muon_momentum_` and `native.finite_flags` on both paths (the compiled op and the pure-PyTorch fallback):
+the momentum against float64 torch.lerp, the flags against torch.isfinite.
 
 The truth is torch's own lerp in float64 on the same inputs; each tolerance below says which roundings separate the
 op from it.
@@ -245,6 +246,89 @@ def test_no_host_sync_on_cuda(kind: str) -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         finite = native.muon_momentum_(buffers, grads, updates, 0.9, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert finite.tolist() == [1.0, 0.0]
+
+
+def _with_nonfinite(shape: tuple, dtype: torch.dtype, device: str, value: float | None, seed: int) -> torch.Tensor:
+    """A random tensor with `value` (NaN, +-Inf, or None for none) at a random position."""
+    generator = torch.Generator().manual_seed(seed)
+    tensor = torch.randn(shape, generator=generator).to(dtype)
+    if value is not None and tensor.numel():
+        tensor.view(-1)[torch.randint(tensor.numel(), (), generator=generator)] = value
+    return tensor.to(device)
+
+
+@pytest.mark.parametrize("dtype", BUFFER_DTYPES, ids=str)
+def test_finite_flags_match_isfinite(path, dtype: torch.dtype) -> None:
+    native, device = path
+    values = (None, float("nan"), float("inf"), float("-inf"))
+    tensors = [_with_nonfinite(shape, dtype, device, values[(seed + len(shape)) % 4], seed)
+               for seed, shape in enumerate(SHAPES * 2)]
+    tensors.append(_with_nonfinite((70001,), dtype, device, None, 99))
+    tensors[-1][40000] = float("nan")  # in the second parallel chunk of the CPU op
+    expected = [float(torch.isfinite(tensor).all()) for tensor in tensors]
+    assert 0.0 in expected and 1.0 in expected
+    finite = native.finite_flags(tensors)
+    assert finite.dtype == torch.float32 and finite.device.type == device
+    assert finite.tolist() == expected
+
+
+def test_finite_flags_of_strided_empty_and_no_tensors(path) -> None:
+    native, device = path
+    column = torch.zeros(5, 3, device=device)
+    column[4, 1] = float("inf")
+    transposed = torch.ones(4, 6, device=device).t()
+    flags = native.finite_flags([column[:, 1], column[:, 0], transposed, torch.zeros(0, device=device)])
+    assert flags.tolist() == [0.0, 1.0, 1.0, 1.0]
+    empty = native.finite_flags([])
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+
+
+def test_compiled_finite_flags_flag_only_nan_and_inf() -> None:
+    # The fallback's sum also flags finite tensors whose sum overflows; the compiled op reads each element.
+    native = submodule(load_cpu_variant(), "native")
+    largest = torch.full((1000,), torch.finfo(torch.float32).max)
+    assert native.finite_flags([largest, largest.double()]).tolist() == [1.0, 1.0]
+
+
+def test_finite_flags_device_mismatch_raises_value_error(path) -> None:
+    native, device = path
+    other = "meta" if device == "cpu" else "cpu"
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on"):
+        native.finite_flags([torch.zeros(3, device=device), torch.zeros(3, device=other)])
+
+
+def test_compiled_finite_flags_op_checks_its_arguments() -> None:
+    ops = submodule(load_cpu_variant(), "_ops").ops
+    for finite in (torch.zeros(2), torch.zeros(1, dtype=torch.float64), torch.zeros(1, 1)):
+        with pytest.raises(ValueError, match="finite must be a contiguous float32 tensor of shape"):
+            ops.finite_flags_([torch.zeros(3)], finite)
+    with pytest.raises(ValueError, match=r"tensors\[0\] has dtype"):
+        ops.finite_flags_([torch.zeros(3, dtype=torch.int32)], torch.zeros(1))
+    with pytest.raises(ValueError, match=r"tensors\[0\] must be contiguous"):
+        ops.finite_flags_([torch.zeros(3, 4).t()], torch.zeros(1))
+
+
+def test_compiled_finite_flags_op_really_runs(path) -> None:
+    native, device = path
+    with torch.profiler.profile() as profile:
+        native.finite_flags([torch.zeros(4, device=device)])
+    ran_compiled = any(event.name.endswith("::finite_flags_") for event in profile.events())
+    assert ran_compiled == native.ops_summary().startswith("compiled ops")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["compiled", "fallback"])
+def test_finite_flags_without_host_sync_on_cuda(kind: str) -> None:
+    native = submodule(optimizer if kind == "compiled" else load_fallback_variant(), "native")
+    tensors = [torch.ones(1000, device="cuda"), torch.full((10,), float("nan"), device="cuda", dtype=torch.bfloat16)]
+    native.finite_flags(tensors)  # first call: path choice and lazy init may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        finite = native.finite_flags(tensors)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert finite.tolist() == [1.0, 0.0]

@@ -292,7 +292,7 @@ def test_gram_with_a_restart_matches_the_standard_iteration():
                                              ((768, 768), "standard"), ((768, 1024), "standard")])
 def test_auto_picks_the_algorithm_with_fewer_flops(shape, expected):
     wide = tuple(sorted(shape))
-    assert resolve_algorithm("auto", wide, 5) == expected
+    assert resolve_algorithm("auto", wide, 5, torch.float32) == expected
     G = random_matrix(*(size // 32 for size in shape))
     torch.testing.assert_close(zeropower(G, 5, algorithm="auto"), zeropower(G, 5, algorithm=expected),
                                rtol=0, atol=0)

@@ -52,6 +52,27 @@ void check_muon_momentum_args(at::TensorList momentum_buffers, at::TensorList gr
   }
 }
 
+// Shared by every backend: the flags are the tensors' own, one per tensor, written where the tensors are.
+void check_finite_flags_args(at::TensorList tensors, const at::Tensor& finite) {
+  TORCH_CHECK_VALUE(finite.scalar_type() == at::kFloat && finite.dim() == 1 && finite.is_contiguous() &&
+                        finite.numel() == static_cast<int64_t>(tensors.size()),
+                    "finite_flags_: finite must be a contiguous float32 tensor of shape (", tensors.size(), "), got ",
+                    finite.scalar_type(), " of shape ", finite.sizes());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK_VALUE(tensors[i].device() == finite.device(), "finite_flags_: tensors[", i, "] is on ",
+                      tensors[i].device(), " but finite is on ", finite.device());
+    TORCH_CHECK_VALUE(is_supported_dtype(tensors[i].scalar_type()), "finite_flags_: tensors[", i, "] has dtype ",
+                      tensors[i].scalar_type(), " (expected float32, float64, bfloat16 or float16)");
+    TORCH_CHECK_VALUE(tensors[i].is_contiguous(), "finite_flags_: tensors[", i, "] must be contiguous");
+  }
+}
+
+template <FiniteFlagsImpl impl>
+void checked_finite_flags(at::TensorList tensors, const at::Tensor& finite) {
+  check_finite_flags_args(tensors, finite);
+  impl(tensors, finite);
+}
+
 template <MuonMomentumImpl impl>
 void checked_muon_momentum(at::TensorList momentum_buffers, at::TensorList grads, at::TensorList updates,
                            const at::Tensor& finite, double beta, bool nesterov) {
@@ -123,13 +144,17 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   // out = alpha * X X^T + beta * C, written whole and exactly symmetric; C (symmetric) and beta are ignored when
   // C is None, and then out's old contents are never read.
   ops.def("symmetric_gram_(Tensor(a!) out, Tensor X, Tensor? C, float alpha, float beta) -> ()");
+  // finite[i] = 1.0 where tensors[i] holds no NaN or Inf, else 0.0: the gradient check of AdamW-routed parameters.
+  ops.def("finite_flags_(Tensor[] tensors, Tensor(a!) finite) -> ()");
 #if defined(CPU_KERNEL)
   ops.impl("muon_momentum_", c10::DeviceType::CPU, &checked_muon_momentum<&muon_momentum_cpu>);
   ops.impl("symmetric_gram_", c10::DeviceType::CPU, &checked_symmetric_gram<&symmetric_gram_cpu>);
+  ops.impl("finite_flags_", c10::DeviceType::CPU, &checked_finite_flags<&finite_flags_cpu>);
 #endif
 #if defined(CUDA_KERNEL)
   ops.impl("muon_momentum_", c10::DeviceType::CUDA, &checked_muon_momentum<&muon_momentum_cuda>);
   ops.impl("symmetric_gram_", c10::DeviceType::CUDA, &checked_symmetric_gram<&symmetric_gram_cuda>);
+  ops.impl("finite_flags_", c10::DeviceType::CUDA, &checked_finite_flags<&finite_flags_cuda>);
 #endif
 }
 

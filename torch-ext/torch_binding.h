@@ -24,3 +24,10 @@ void symmetric_gram_cpu(at::Tensor& out, const at::Tensor& X, const std::optiona
 
 void symmetric_gram_cuda(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C, double alpha,
                          double beta);
+
+// finite[i] = 1.0 when tensors[i] holds no NaN or +-Inf, else 0.0; the tensors are only read.
+using FiniteFlagsImpl = void (*)(at::TensorList tensors, const at::Tensor& finite);
+
+void finite_flags_cpu(at::TensorList tensors, const at::Tensor& finite);
+
+void finite_flags_cuda(at::TensorList tensors, const at::Tensor& finite);

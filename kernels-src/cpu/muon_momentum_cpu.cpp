@@ -1,50 +1,16 @@
 // Muon's momentum step on the CPU: for each tensor, one parallel pass that checks the gradient is finite, then
 // one parallel pass that updates the momentum buffer and writes the update (in the update's own dtype).
-#include <atomic>
-#include <cmath>
-#include <limits>
-
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/bit_cast.h>
 
+#include "finite_cpu.h"
+
 namespace {
 
-// Elements per task: both passes are memory-bound, so smaller chunks cost more in scheduling than they gain.
-constexpr int64_t kGrainSize = 32768;
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// The hot loops are also compiled for x86-64-v3 (AVX2, FMA) and picked when the library loads: measured 2.4x faster
-// than the SSE2 baseline for bfloat16 buffers. CPUs without AVX2 run the default clone.
-#define MUON_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define MUON_VECTOR_CLONES
-#endif
-
-template <typename value_t>
-MUON_VECTOR_CLONES bool any_nonfinite(const value_t* __restrict__ values, int64_t count) {
-  using opmath_t = at::opmath_type<value_t>;
-  // |x| <= max is false exactly for NaN and +-Inf. An int OR over the whole range (no early exit, no bool)
-  // is what lets the compiler vectorize this loop.
-  int nonfinite = 0;
-  for (int64_t j = 0; j < count; ++j) {
-    nonfinite |= !(std::abs(static_cast<opmath_t>(values[j])) <= std::numeric_limits<opmath_t>::max());
-  }
-  return nonfinite != 0;
-}
-
-template <typename value_t>
-bool all_finite(const value_t* values, int64_t numel) {
-  std::atomic<bool> finite{true};
-  at::parallel_for(0, numel, kGrainSize, [&](int64_t begin, int64_t end) {
-    if (any_nonfinite(values + begin, end - begin)) {
-      finite.store(false, std::memory_order_relaxed);
-    }
-  });
-  return finite.load(std::memory_order_relaxed);
-}
+using muon_cpu::kGrainSize;
 
 // torch.lerp's formula, weight < 0.5 ? start + weight * (end - start) : end - (end - start) * (1 - weight), with
 // the weight rounded to opmath_t first as torch does (for weight in [0.5, 1], 1 - weight and weight - 1 are both
@@ -129,7 +95,7 @@ void muon_momentum_cpu(at::TensorList momentum_buffers, at::TensorList grads, at
   float* flags = finite.mutable_data_ptr<float>();
   for (size_t i = 0; i < grads.size(); ++i) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grads[i].scalar_type(), "muon_momentum_cpu", [&] {
-      const bool grad_finite = all_finite(grads[i].const_data_ptr<scalar_t>(), grads[i].numel());
+      const bool grad_finite = muon_cpu::all_finite(grads[i].const_data_ptr<scalar_t>(), grads[i].numel());
       flags[i] = grad_finite ? 1.0f : 0.0f;
       if (grad_finite) {
         update_momentum_into<scalar_t>(momentum_buffers[i], grads[i], updates[i], beta, nesterov);

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -52,11 +54,12 @@ def _skip_last_group(muon: type, module: Any, functional: Any) -> None:
 
 
 def _items_filtered(keep: Callable[[Any], bool]) -> Callable[[type, Any, Any], None]:
-    """muon_update/adamw_update see only the items `keep` accepts (lists beside them are filtered alike)."""
+    """muon_update/adamw_update see only the items `keep` accepts (lists and flag tensors beside them are filtered alike)."""
     def wrap(real: Callable) -> Callable:
         def filtered(items: list, *args: Any, **kwargs: Any) -> Any:
             kept = [i for i, item in enumerate(items) if keep(item)]
-            args = tuple([arg[i] for i in kept] if isinstance(arg, list | tuple) and len(arg) == len(items) else arg
+            args = tuple(arg[kept] if isinstance(arg, torch.Tensor) and len(arg) == len(items)
+                         else [arg[i] for i in kept] if isinstance(arg, list | tuple) and len(arg) == len(items) else arg
                          for arg in args)
             return real([items[i] for i in kept], *args, **kwargs)
         return filtered

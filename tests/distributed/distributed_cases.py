@@ -31,7 +31,11 @@ LR = 0.05
 # LR * 0.2 * sqrt(max dim) / sqrt(min dim) ~ 0.01-0.1 here, so any real mistake (a wrong slice, a missed shard, a
 # wrong lr scale) moves entries by 1e-3 or more: 2e-6 separates the two.
 FP32_ATOL = 2e-6
-OPTIONS = dict(lr=LR, weight_decay=0.1, momentum=0.9, ns_dtype=torch.float32)
+# The standard iteration, whose own fp32 rounding keeps ours within FP32_ATOL of the reference. The Gram iteration
+# (which "auto", the default, picks for wide fp32 matrices) builds the Gram matrix, squaring the condition number of
+# a trained model's ill-conditioned gradients: on the 10x16 weight its own rounding moved entries by up to 8.5e-6
+# (measured), which would hide the mistakes these cases are for. It runs sharded in the "gram" and "auto" cases.
+OPTIONS = dict(lr=LR, weight_decay=0.1, momentum=0.9, ns_dtype=torch.float32, ns_algorithm="standard")
 # Shapes that exercise uneven shards (10 rows over 4 ranks: 3,3,3,1), empty shards (3 rows or columns over 4
 # ranks), same-shape matrices (batched on one owner), an expert bank (3D), a conv weight (4D) and a tall matrix.
 SHAPES = [(10, 6), (3, 8), (8, 3), (6, 6), (6, 6), (6, 6), (2, 5, 6), (6, 3, 2, 2), (12, 4)]
@@ -58,8 +62,8 @@ def run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], tor
     """STEPS steps of Muon on `params` (distributed) and on plain copies of their global values (the truth),
     with the same global gradients; `nan_at` = (param index, step, element) puts a NaN in one gradient."""
     reference = [_global(p).detach().clone() for p in params]
-    ours = Muon(params, **OPTIONS, **options)
-    truth = Muon(reference, **OPTIONS, **options)  # the distribution-only options do nothing on one device
+    ours = Muon(params, **(OPTIONS | options))
+    truth = Muon(reference, **(OPTIONS | options))  # the distribution-only options do nothing on one device
     for step in range(STEPS):
         grads = randn_tensors(shapes, seed=100 + step)
         if nan_at is not None and nan_at[1] == step:
@@ -173,6 +177,7 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "replicate_1d": partial(dtensor_case, (world,), [Replicate()]),
         "shard0_one_matrix_per_chunk": partial(dtensor_case, (world,), [Shard(0)], chunk_size=1),
         "shard0_gram_newton_schulz": partial(dtensor_case, (world,), [Shard(0)], ns_algorithm="gram"),
+        "shard0_auto_newton_schulz": partial(dtensor_case, (world,), [Shard(0)], ns_algorithm="auto"),
         "shard0_batched_conv_normalize_spatial": partial(dtensor_case, (world,), [Shard(0)], conv_mode="batched",
                                                          normalize_spatial=True),
         "nonfinite_on_one_shard_skips_everywhere": partial(nonfinite_shard_case, world),

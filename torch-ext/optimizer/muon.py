@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from .coefficients import Coefficients, resolve_coefficients
 from .distributed.finite import found_inf_flags
 from .distributed.step import distributed_muon_update, is_spread
-from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, muon_update
+from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, by_device, muon_update
 from .newton_schulz import NS_ALGORITHMS
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
@@ -251,11 +251,13 @@ class Muon(Optimizer):
             "quintic", "original", or a list of triples (the last repeats).
         eps: lower clamp of the Frobenius norm before the iteration.
         adjust_lr_fn: "match_rms_adamw" (0.2 * sqrt(max(out, in))), "original" (sqrt(max(1, out / in))),
-            "spectral" (sqrt(out / in)) or None (no scaling).
-        ns_dtype: Newton-Schulz compute dtype; None is bfloat16 on accelerators and float32 on CPUs.
+            "spectral" (sqrt(out / in); timm's "rms_to_rms"), "rsqrt_in" (1 / sqrt(in)) or None (no scaling).
+        ns_dtype: Newton-Schulz compute dtype; None is what the device multiplies fastest (`default_ns_dtype`):
+            bfloat16 on GPUs and on CPUs with bf16 matrix instructions, float32 on other CPUs.
         ns_algorithm: "standard" (three products of the matrix's size per step), "gram" (the same polynomial
-            applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices) or "auto" (per shape, the
-            one with fewer FLOPs: "gram" from an aspect ratio of about 1.5).
+            applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices in float32) or "auto" (per
+            shape, "gram" where it takes fewer FLOPs, from an aspect ratio of about 1.5, and the iteration is
+            float32 or float64; "standard" otherwise).
         normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
             (timm's option; its default is True, ours False: under "match_rms_adamw" both conv modes then give every
             entry AdamW's RMS).
@@ -283,7 +285,7 @@ class Muon(Optimizer):
                  lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, ns_coefficients: str | list[Coefficients] = "polar_express", eps: float = 1e-7,
                  adjust_lr_fn: str | None = "match_rms_adamw", ns_dtype: torch.dtype | None = None,
-                 ns_algorithm: str = "standard", conv_mode: str = "flatten", normalize_spatial: bool = False, adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
+                 ns_algorithm: str = "auto", conv_mode: str = "flatten", normalize_spatial: bool = False, adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
                  adamw_betas: tuple[float, float] | None = None, adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
                  chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
@@ -434,11 +436,12 @@ class Muon(Optimizer):
 
     def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
         weight_decay = group["adamw_weight_decay"]
-        # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
-        found_inf = found_inf_flags([item.grad for item in items])
-        adamw_update(items, found_inf, lr=self._adamw_lr(group), betas=tuple(map(_as_real, group["adamw_betas"])),
-                     eps=_as_real(group["adamw_eps"]),
-                     weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
+        settings = dict(lr=self._adamw_lr(group), betas=tuple(map(_as_real, group["adamw_betas"])),
+                        eps=_as_real(group["adamw_eps"]),
+                        weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
+        for device_items in by_device(items).values():
+            # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
+            adamw_update(device_items, found_inf_flags([item.grad for item in device_items]), **settings)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,

@@ -1,5 +1,6 @@
-"""The compiled ops of this build variant: `muon_momentum_`, with a pure-PyTorch fallback of the same semantics when
-it is absent, and `symmetric_gram_`, which exists only compiled (callers check has_compiled_symmetric_gram).
+"""The compiled ops of this build variant: `muon_momentum_` and `finite_flags`, each with a pure-PyTorch fallback of
+the same semantics when it is absent, and `symmetric_gram_`, which exists only compiled (callers check
+has_compiled_symmetric_gram).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -22,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 _MOMENTUM_OP = "muon_momentum_"
 _SYMMETRIC_GRAM_OP = "symmetric_gram_"
-_OPS = (_MOMENTUM_OP, _SYMMETRIC_GRAM_OP)
+_FINITE_FLAGS_OP = "finite_flags_"
+_OPS = (_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -126,6 +129,32 @@ def muon_momentum_(momentum_buffers: list[Tensor], grads: list[Tensor], updates:
         _check_momentum_args(momentum_buffers, grads, updates, beta)
         _muon_momentum_fallback(momentum_buffers, grads, updates, finite, beta, nesterov)
     return finite
+
+
+def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
+    """(N,) float32 on the tensors' device: 1.0 where tensors[i] holds no NaN or Inf, else 0.0; no host sync.
+
+    The compiled op reads each tensor once at memory speed, all of them in one call. The fallback takes one sum per
+    tensor (see `_guard_sum`), which also flags a finite tensor whose sum overflows."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    for i, tensor in enumerate(tensors):
+        if tensor.device != device:  # else the dispatcher would pick the other device
+            raise ValueError(f"finite_flags: tensors[{i}] is on {tensor.device} but tensors[0] is on {device}")
+    finite = torch.ones(len(tensors), dtype=torch.float32, device=device)
+    compiled = _compiled_op(_FINITE_FLAGS_OP, device.type)
+    if compiled is not None:
+        compiled([tensor.contiguous() for tensor in tensors], finite)
+    elif tensors:
+        finite = torch.stack([_guard_sum(tensor) for tensor in tensors]).isfinite().to(torch.float32)
+    return finite
+
+
+def _guard_sum(tensor: Tensor) -> Tensor:
+    """A 0-dim sum that is non-finite exactly when the tensor holds a NaN or Inf (or an element so large that
+    AdamW's second moment would overflow anyway): one reduction, reading the tensor once. A finite sum overflows only
+    when some |element| > float32's max / numel (> 1.5e29 below 2**31 elements), whose square already overflows
+    AdamW's second moment, so flagging it loses nothing."""
+    return tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32))
 
 
 def _common_device(momentum_buffers: list[Tensor], grads: list[Tensor], updates: list[Tensor]) -> torch.device:

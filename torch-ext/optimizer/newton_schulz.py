@@ -28,7 +28,7 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     triples, one per step (the last repeats). `backend` ("torch", "cpu", "cuda", "triton") forces the kernel for
     the symmetric products; None lets `kernel_choice` pick by device, dtype and shape. `algorithm`: "standard"
     (three products of X's size per step), "gram" (the same polynomial applied through X's Gram matrix, cheaper for
-    rectangular X) or "auto" (the one with fewer FLOPs for the shape). The result has G's shape and dtype.
+    rectangular X) or "auto" (see `resolve_algorithm`). The result has G's shape and dtype.
     """
     _check_matrix(G)
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _MAX_STEPS:
@@ -64,7 +64,7 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     G (see `staging_dtype`). For a 2D G in the iteration's dtype the operations and their order are those of
     torch.optim.Muon, so with the "torch" backend results match it bit for bit. The symmetric products go
     through `backend` (None: chosen per device, dtype and shape). `algorithm` is "standard", "gram" (the iteration on
-    the Gram matrix, `_gram_iteration`) or "auto" (whichever takes fewer FLOPs for this shape).
+    the Gram matrix, `_gram_iteration`) or "auto" (see `resolve_algorithm`).
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
@@ -72,7 +72,7 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
     X = (X / norm.clamp(min=eps)).to(dtype or G.dtype)
     backend = resolve_backend(X, backend)
-    if resolve_algorithm(algorithm, X.shape, len(coefficients)) == "gram":
+    if resolve_algorithm(algorithm, X.shape, len(coefficients), X.dtype) == "gram":
         X = _gram_iteration(X, coefficients, backend)
     else:
         for a, b, c in coefficients:
@@ -82,10 +82,15 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     return X.mT if tall else X
 
 
-def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int) -> str:
-    """"standard" or "gram" for a wide (m, n) matrix (or a batch of them); "auto" picks the one with fewer FLOPs."""
+def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int, dtype: torch.dtype) -> str:
+    """"standard" or "gram" for a wide (m, n) matrix (or a batch of them) iterated in `dtype`. "auto" picks Gram
+    where it takes fewer FLOPs and runs in `dtype` itself: in a 16-bit dtype its m x m part runs in float32 (see
+    `_GRAM_DTYPE`), which GPUs and CPUs with bf16 matrix units multiply several times slower than the 16-bit
+    products it would replace, so there "auto" keeps the standard iteration until Gram is measured faster."""
     if algorithm != "auto":
         return algorithm
+    if dtype in _GRAM_DTYPE:
+        return "standard"
     m, n = shape[-2], shape[-1]
     return "gram" if gram_flop(m, n, steps) < standard_flop(m, n, steps) else "standard"
 
