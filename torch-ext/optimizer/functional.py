@@ -18,6 +18,7 @@ from torch import Tensor
 from . import native
 from .coefficients import Coefficients
 from .newton_schulz import newton_schulz, staging_dtype
+from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rsqrt_in")
@@ -75,6 +76,9 @@ class MuonTensors:
     momentum_buffer: Tensor
     nonfinite_skips: Tensor
     view: MatrixView
+    # With a `normalization`: the second moment of the orthogonalized update (see `moment_dtype`) and its step count.
+    second_moment: Tensor | None = None
+    update_step: Tensor | None = None
 
 
 def _bucket(items: Sequence[MuonTensors]) -> dict[tuple, list[MuonTensors]]:
@@ -110,8 +114,10 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
 
 def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
                 coefficients: list[Coefficients], eps: float, adjust_lr_fn: str | None,
-                ns_dtype: torch.dtype, ns_algorithm: str, normalize_spatial: bool) -> None:
-    """Momentum, batched Newton-Schulz per bucket, decoupled weight decay and the scaled update."""
+                ns_dtype: torch.dtype, ns_algorithm: str, normalize_spatial: bool,
+                normalization: str | None = None, normalization_beta: float = 0.95) -> None:
+    """Momentum, batched Newton-Schulz per bucket, the optional second-moment normalization, decoupled weight decay
+    and the scaled update."""
     for (device, _, rows, cols), bucket in _bucket(items).items():
         batches = [item.view.batch for item in bucket]
         matrices = torch.empty(sum(batches), rows, cols, dtype=staging_dtype(ns_dtype), device=device)
@@ -125,8 +131,16 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
             item.nonfinite_skips.add_(was_skipped)
         if weight_decay != 0:
             torch._foreach_mul_(params, list(decay_factors(skipped, lr, weight_decay, params[0].dtype).unbind()))
-        for item, part in zip(bucket, orthogonal.split(batches)):
-            step_size = -adjusted_lr(lr, adjust_lr_fn, item.view, normalize_spatial)
+        parts = list(orthogonal.split(batches))
+        if normalization is not None:
+            parts = normalize(parts, [item.second_moment for item in bucket], [item.update_step for item in bucket],
+                              skipped, normalization, normalization_beta, eps,
+                              bias_correction=not uses_rms_rule(normalization, adjust_lr_fn))
+        for item, part in zip(bucket, parts):
+            if uses_rms_rule(normalization, adjust_lr_fn):
+                step_size = -adjusted_lr(lr, None, item.view, normalize_spatial) * rms_rule_scale(part, item.view, eps)
+            else:
+                step_size = -adjusted_lr(lr, adjust_lr_fn, item.view, normalize_spatial)
             add_scaled_(item.param, item.view.from_matrices(part, item.param.shape), step_size)
 
 

@@ -18,6 +18,7 @@ from .distributed.finite import found_inf_flags
 from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, by_device, muon_update
 from .newton_schulz import NS_ALGORITHMS
+from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
@@ -26,9 +27,12 @@ from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, 
 # belongs to its process and cannot be saved, so the copy's step asks for one instead of running single-device.
 _PROCESS_GROUP_NOT_SAVED = "process group not saved"
 
-# State keys that must keep their own dtype and device through load_state_dict (torch casts other floating state to
-# the parameter's dtype, which would turn a step count into bf16 for a bf16 parameter).
-_EXACT_STATE_KEYS = ("step", "nonfinite_skips")
+# State that must keep its own dtype through load_state_dict (torch casts other floating state to the parameter's
+# dtype, which would turn a step count or a float32 second moment into bf16 for a bf16 parameter).
+_EXACT_STATE_DTYPES: dict[str, Callable[[torch.dtype], torch.dtype]] = {
+    "step": lambda _: torch.float32, "update_step": lambda _: torch.float32, "update_sq": moment_dtype,
+    "nonfinite_skips": lambda _: torch.int64}
+_SCALAR_STATE_KEYS = ("step", "update_step", "nonfinite_skips")
 
 
 def _is_real_scalar(value: Tensor) -> bool:
@@ -93,6 +97,7 @@ def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
 # ours where groups enter (construction, add_param_group, load_state_dict): one code path per behaviour.
 _TIMM_KEYS = {"fallback_lr_scale": "adamw_lr_scale", "betas": "adamw_betas"}
 _TIMM_VALUES = {("adjust_lr_fn", "rms_to_rms"): "spectral"}
+_TIMM_ALGOS = {"muon": None, "adamuon": "element"}  # timm's `algo`: AdaMuon is our per-element normalization
 
 
 def _from_timm_spellings(group: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +118,13 @@ def _from_timm_spellings(group: dict[str, Any]) -> dict[str, Any]:
             if group.get("use_muon") is not None and group["use_muon"] == use_fallback:
                 raise ValueError(f"Invalid use_fallback: {use_fallback!r} contradicts use_muon={group['use_muon']!r}")
             group["use_muon"] = not use_fallback
+    algo = group.pop("algo", None)
+    if algo is not None:
+        _check_choice("algo", algo, _TIMM_ALGOS)
+        normalization = _TIMM_ALGOS[algo]
+        if group.get("normalization") not in (None, normalization):
+            raise ValueError(f"Invalid algo: {algo!r} contradicts normalization={group['normalization']!r}")
+        group["normalization"] = normalization
     for (key, timm_value), ours in _TIMM_VALUES.items():
         if group.get(key) == timm_value:
             group[key] = ours
@@ -168,6 +180,7 @@ def _validate_group(group: dict[str, Any]) -> None:
                          f"expected one of {', '.join(map(repr, (*ADJUST_LR_FNS, None)))})")
     _check_choice("conv_mode", group["conv_mode"], CONV_MODES)
     _check_choice("ns_algorithm", group["ns_algorithm"], NS_ALGORITHMS)
+    _check_choice("normalization", group["normalization"], NORMALIZATIONS)
     if not isinstance(group["normalize_spatial"], bool):
         raise ValueError(f"Invalid normalize_spatial: {group['normalize_spatial']!r} (expected True or False)")
     _check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
@@ -203,7 +216,7 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
         for key, value in saved.items():
             if key in _ELEMENTWISE_STATE_KEYS:
                 expected = param.shape
-            elif key in _EXACT_STATE_KEYS:
+            elif key in _SCALAR_STATE_KEYS:
                 expected = torch.Size()
             else:
                 continue
@@ -258,6 +271,10 @@ class Muon(Optimizer):
             applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices in float32) or "auto" (per
             shape, "gram" where it takes fewer FLOPs, from an aspect ratio of about 1.5, and the iteration is
             float32 or float64; "standard" otherwise).
+        normalization: None, "neuron" (NorMuon: each output row of the orthogonalized update divided by the root of
+            a running mean of its squares) or "element" (AdaMuon: the same per entry; timm's algo="adamuon"). The
+            running mean's beta is adamw_betas[1], as timm shares it; under "match_rms_adamw" the normalized update
+            is rescaled to RMS 0.2, as both papers do. Not yet for sharded or data-parallel parameters.
         normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
             (timm's option; its default is True, ours False: under "match_rms_adamw" both conv modes then give every
             entry AdamW's RMS).
@@ -290,14 +307,16 @@ class Muon(Optimizer):
                  adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
                  chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
                  qk_clip: Mapping[Hashable, QKClipLayer] | None = None,
-                 qk_clip_threshold: float = DEFAULT_THRESHOLD, *, betas: tuple[float, float] | None = None,
-                 fallback_lr_scale: float | None = None) -> None:
+                 qk_clip_threshold: float = DEFAULT_THRESHOLD, *, normalization: str | None = None,
+                 betas: tuple[float, float] | None = None, fallback_lr_scale: float | None = None,
+                 algo: str | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
                         ns_algorithm=ns_algorithm, conv_mode=conv_mode, normalize_spatial=normalize_spatial, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
                         adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
-                        comm_dtype=comm_dtype, chunk_size=chunk_size, use_muon=None, param_layout="auto")
-        defaults = _adamw_lr_as_scale(_from_timm_spellings({**defaults, "betas": betas,
+                        comm_dtype=comm_dtype, chunk_size=chunk_size, normalization=normalization, use_muon=None,
+                        param_layout="auto")
+        defaults = _adamw_lr_as_scale(_from_timm_spellings({**defaults, "betas": betas, "algo": algo,
                                                              "fallback_lr_scale": fallback_lr_scale}), lr)
         if defaults["adamw_lr_scale"] is None:
             defaults["adamw_lr_scale"] = 1.0
@@ -383,6 +402,27 @@ class Muon(Optimizer):
             if torch.is_complex(param) or torch.is_complex(grad):
                 raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
 
+    def _check_normalization_state(self, group: dict[str, Any]) -> None:
+        """A normalization runs on one device's parameters, and a second moment kept from an earlier run must have
+        the shape this group's normalization needs (it changes between "neuron" and "element")."""
+        if group["normalization"] is None:
+            return
+        for param in group["params"]:
+            if param.grad is None or not self._uses_muon(group, param):
+                continue
+            if is_spread(param, self.process_group):
+                raise ValueError(f"Invalid normalization: {group['normalization']!r} is not supported yet for "
+                                 f"sharded or data-parallel parameters (shape {tuple(param.shape)}); use it on one "
+                                 "device, or normalization=None")
+            saved = self.state[param].get("update_sq")
+            view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
+            expected = second_moment_shape(view, group["normalization"])
+            if saved is not None and tuple(saved.shape) != expected:
+                raise ValueError(f"Invalid normalization: {group['normalization']!r} needs a second moment of shape "
+                                 f"{expected} for the parameter of shape {tuple(param.shape)}, but its state holds "
+                                 f"{tuple(saved.shape)} (from another normalization: delete state['update_sq'] and "
+                                 "state['update_step'] to start it afresh)")
+
     def _gather(self, group: dict[str, Any]) -> tuple[list[MuonTensors], list[AdamWTensors]]:
         """The group's parameters with gradients, with lazily created state (inputs already checked)."""
         muon_items: list[MuonTensors] = []
@@ -397,8 +437,14 @@ class Muon(Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
                 view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
-                muon_items.append(MuonTensors(param, param.grad, state["momentum_buffer"],
-                                              state["nonfinite_skips"], view))
+                item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"], view)
+                if group["normalization"] is not None:
+                    if "update_sq" not in state:
+                        state["update_sq"] = torch.zeros(second_moment_shape(view, group["normalization"]),
+                                                         dtype=moment_dtype(param.dtype), device=param.device)
+                        state["update_step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+                    item.second_moment, item.update_step = state["update_sq"], state["update_step"]
+                muon_items.append(item)
             else:
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
@@ -417,6 +463,8 @@ class Muon(Optimizer):
                         coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"]),
                         eps=_as_real(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype,
                         ns_algorithm=group["ns_algorithm"], normalize_spatial=group["normalize_spatial"])
+        if group["normalization"] is not None:  # the distributed pipeline has no second moments yet (refused earlier)
+            settings.update(normalization=group["normalization"], normalization_beta=_as_real(group["adamw_betas"][1]))
         spread: list[MuonTensors] = []
         local: list[MuonTensors] = []
         for item in items:
@@ -466,6 +514,7 @@ class Muon(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             self._check_step_inputs(group)
+            self._check_normalization_state(group)
         gathered = [self._gather(group) for group in self.param_groups]
         for group, (muon_items, _) in zip(self.param_groups, gathered):
             self._muon_step(group, muon_items)
@@ -511,7 +560,6 @@ class Muon(Optimizer):
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         for saved_id, param in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id, {})
-            for key in _EXACT_STATE_KEYS:
+            for key, dtype_for in _EXACT_STATE_DTYPES.items():
                 if key in saved:
-                    dtype = torch.float32 if key == "step" else torch.int64
-                    self.state[param][key] = saved[key].to(dtype=dtype, device=param.device).clone()
+                    self.state[param][key] = saved[key].to(dtype=dtype_for(param.dtype), device=param.device).clone()
