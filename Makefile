@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: demo test build bench clean
+.PHONY: demo test build bench quality clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: build
 bench: build
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps muon-fsdp2==0.3.0
 	$(PY) benchmarks/bench.py
+
+# AdamW and the Muon variants on the demo GPT over one lr grid and two seeds (50 runs: ~45 minutes on 2 CPU cores).
+quality: build
+	$(PY) benchmarks/quality.py
 
 clean:
 	rm -rf build .build-cache

@@ -199,6 +199,18 @@ def test_gram_newton_schulz_updates_are_polar_factors_too(ns_algorithm: str, sha
     assert not torch.equal(update, standard)  # the option reached the iteration: its rounding differs
 
 
+@pytest.mark.parametrize("ns_algorithm", ["standard", "gram"])
+def test_aol_preconditioned_updates_are_the_functions_result(ns_algorithm: str) -> None:
+    grad = torch.randn(3, 16, 40, dtype=torch.float64)
+    update = one_step_update(torch.zeros_like(grad), grad, preconditioner="aol", ns_algorithm=ns_algorithm)
+    expected = optimizer.zeropower(0.5 * grad, 10, dtype=torch.float64, algorithm=ns_algorithm, preconditioner="aol")
+    torch.testing.assert_close(update, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(update, torch.stack([polar_factor(g) for g in grad]), **POLAR_TOL)
+    assert not torch.equal(update, one_step_update(torch.zeros_like(grad), grad, ns_algorithm=ns_algorithm))
+    with pytest.raises(ValueError, match=r"Invalid preconditioner: 'jacobi'"):
+        Muon([torch.randn(4, 8)], preconditioner="jacobi")
+
+
 def test_an_unknown_ns_algorithm_is_refused() -> None:
     with pytest.raises(ValueError, match=r"Invalid ns_algorithm: 'newton'.*'standard', 'gram', 'auto'"):
         Muon([torch.randn(4, 8)], ns_algorithm="newton")

@@ -178,6 +178,8 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "shard0_one_matrix_per_chunk": partial(dtensor_case, (world,), [Shard(0)], chunk_size=1),
         "shard0_gram_newton_schulz": partial(dtensor_case, (world,), [Shard(0)], ns_algorithm="gram"),
         "shard0_auto_newton_schulz": partial(dtensor_case, (world,), [Shard(0)], ns_algorithm="auto"),
+        "shard0_aol_preconditioner": partial(dtensor_case, (world,), [Shard(0)], ns_algorithm="auto",
+                                             preconditioner="aol"),
         "shard0_batched_conv_normalize_spatial": partial(dtensor_case, (world,), [Shard(0)], conv_mode="batched",
                                                          normalize_spatial=True),
         "nonfinite_on_one_shard_skips_everywhere": partial(nonfinite_shard_case, world),

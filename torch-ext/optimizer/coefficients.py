@@ -34,6 +34,14 @@ COEFFICIENT_PRESETS: tuple[str, ...] = ("original", "quintic", "polar_express")
 # (condition ~ 1/w^3) only amplifies rounding; the limit polynomial, within O(w^2) of the minimax one, is
 # used instead.
 _NARROW_WIDTH = 1e-4
+# The smallest singular value (relative to the largest, 1) the "polar_express" preset is fitted to: the authors'
+# 1e-3 after Frobenius scaling. AOL scaling (preconditioner="aol") lifts the spectrum toward 1, and its schedule is
+# fitted from 5e-3: with 4 steps that schedule ends in [0.908, 1.092], tighter than the Frobenius one's [0.869,
+# 1.131] with 5, and on 256x1024 test matrices its polar error (spectral norm, float64) was 0.094 against 0.131 for
+# Gaussian and 0.106 against 0.131 at condition number 10; at 1e3 it was 0.860 against 0.770 (both leave the
+# smallest singular values unconverged).
+_FROBENIUS_LOWER_BOUND = 1e-3
+AOL_LOWER_BOUND = 5e-3
 _REMEZ_MAX_ROUNDS = 100
 
 
@@ -58,24 +66,26 @@ def polar_express_coefficients(num_iters: int, l: float = 1e-3, safety_eps: floa
     return list(_polar_express_schedule(num_iters, float(l), float(safety_eps), float(cushion)))
 
 
-def resolve_coefficients(spec: str | Sequence[Coefficients], steps: int) -> list[Coefficients]:
-    """Exactly `steps` (a, b, c) triples from a preset name or a user schedule; the last triple repeats."""
+def resolve_coefficients(spec: str | Sequence[Coefficients], steps: int,
+                         preconditioner: str | None = None) -> list[Coefficients]:
+    """Exactly `steps` (a, b, c) triples from a preset name or a user schedule; the last triple repeats. Under
+    `preconditioner="aol"` the "polar_express" preset is fitted to the interval AOL leaves (see `AOL_LOWER_BOUND`)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"Invalid steps: {steps!r} (expected an integer >= 0)")
     if isinstance(spec, str):
-        schedule = _preset(spec, steps)
+        schedule = _preset(spec, steps, AOL_LOWER_BOUND if preconditioner == "aol" else _FROBENIUS_LOWER_BOUND)
     else:
         schedule = _validated_schedule(spec)
     return [schedule[min(k, len(schedule) - 1)] for k in range(steps)]
 
 
-def _preset(name: str, steps: int) -> Sequence[Coefficients]:
+def _preset(name: str, steps: int, lower_bound: float) -> Sequence[Coefficients]:
     if name == "original":
         return _ORIGINAL
     if name == "quintic":
         return _QUINTIC
     if name == "polar_express":
-        return polar_express_coefficients(max(steps, 1))
+        return polar_express_coefficients(max(steps, 1), lower_bound)
     raise ValueError(f"Invalid coefficients: {name!r} (expected one of {', '.join(COEFFICIENT_PRESETS)} "
                      "or a sequence of (a, b, c) triples)")
 

@@ -114,7 +114,7 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
 
 def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
                 coefficients: list[Coefficients], eps: float, adjust_lr_fn: str | None,
-                ns_dtype: torch.dtype, ns_algorithm: str, normalize_spatial: bool,
+                ns_dtype: torch.dtype, ns_algorithm: str, preconditioner: str | None, normalize_spatial: bool,
                 normalization: str | None = None, normalization_beta: float = 0.95) -> None:
     """Momentum, batched Newton-Schulz per bucket, the optional second-moment normalization, decoupled weight decay
     and the scaled update."""
@@ -124,7 +124,8 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         finite = _momentum_into(bucket, matrices, momentum, nesterov)
         # A skipped parameter's momentum step wrote zeros, and Newton-Schulz maps zero to exactly zero (the norm is
         # clamped, and each matrix of the batch is independent), so its update below adds exactly nothing.
-        orthogonal = newton_schulz(matrices, coefficients, eps, dtype=ns_dtype, algorithm=ns_algorithm)
+        orthogonal = newton_schulz(matrices, coefficients, eps, dtype=ns_dtype, algorithm=ns_algorithm,
+                                   preconditioner=preconditioner)
         params = [item.param for item in bucket]
         skipped = finite.eq(0)
         for item, was_skipped in zip(bucket, skipped.unbind()):

@@ -13,6 +13,7 @@ from .dispatch import check_backend, kernel_choice, resolve_backend, symmetric_g
 from .precision import default_ns_dtype
 
 NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram", "auto")
+PRECONDITIONERS: tuple[str | None, ...] = (None, "aol")
 
 # Each step costs three matrix products, and no schedule here improves past about ten steps.
 _MAX_STEPS = 100
@@ -20,7 +21,7 @@ _MAX_STEPS = 100
 
 def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficients] = "polar_express",
               dtype: torch.dtype | None = None, eps: float = 1e-7, backend: str | None = None,
-              algorithm: str = "standard") -> Tensor:
+              algorithm: str = "standard", preconditioner: str | None = None) -> Tensor:
     """Approximate U V^T for a matrix (m, n) or for each matrix of a batch (B, m, n), computed in `dtype` (None: the
     dtype G's device multiplies fastest in, `default_ns_dtype(G.device)`).
 
@@ -28,7 +29,9 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     triples, one per step (the last repeats). `backend` ("torch", "cpu", "cuda", "triton") forces the kernel for
     the symmetric products; None lets `kernel_choice` pick by device, dtype and shape. `algorithm`: "standard"
     (three products of X's size per step), "gram" (the same polynomial applied through X's Gram matrix, cheaper for
-    rectangular X) or "auto" (see `resolve_algorithm`). The result has G's shape and dtype.
+    rectangular X) or "auto" (see `resolve_algorithm`). `preconditioner="aol"` rescales X's rows before the first
+    step (see `_aol_scaled`), and the "polar_express" preset then assumes it (`resolve_coefficients`). The result has
+    G's shape and dtype.
     """
     _check_matrix(G)
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _MAX_STEPS:
@@ -44,8 +47,12 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
         check_backend(backend, dtype, G.device)
     if algorithm not in NS_ALGORITHMS:
         raise ValueError(f"Invalid algorithm: {algorithm!r} (expected one of {', '.join(map(repr, NS_ALGORITHMS))})")
-    schedule = resolve_coefficients(coefficients, steps)
-    return newton_schulz(G.to(staging_dtype(dtype)), schedule, eps, backend, dtype, algorithm).to(G.dtype)
+    if preconditioner not in PRECONDITIONERS:
+        raise ValueError(f"Invalid preconditioner: {preconditioner!r} (expected one of "
+                         f"{', '.join(map(repr, PRECONDITIONERS))})")
+    schedule = resolve_coefficients(coefficients, steps, preconditioner)
+    return newton_schulz(G.to(staging_dtype(dtype)), schedule, eps, backend, dtype, algorithm,
+                         preconditioner).to(G.dtype)
 
 
 def staging_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,7 +62,8 @@ def staging_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, backend: str | None = None,
-                  dtype: torch.dtype | None = None, algorithm: str = "standard") -> Tensor:
+                  dtype: torch.dtype | None = None, algorithm: str = "standard",
+                  preconditioner: str | None = None) -> Tensor:
     """The iteration itself for validated inputs: G is (m, n) or (B, m, n), one step per triple.
 
     Works on the wide orientation (the Gram matrix is min(m, n) squared) and scales each matrix by its
@@ -64,7 +72,8 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     G (see `staging_dtype`). For a 2D G in the iteration's dtype the operations and their order are those of
     torch.optim.Muon, so with the "torch" backend results match it bit for bit. The symmetric products go
     through `backend` (None: chosen per device, dtype and shape). `algorithm` is "standard", "gram" (the iteration on
-    the Gram matrix, `_gram_iteration`) or "auto" (see `resolve_algorithm`).
+    the Gram matrix, `_gram_iteration`) or "auto" (see `resolve_algorithm`). `preconditioner` None or "aol"
+    (`_aol_scaled`, on the first Gram matrix, which the first step then reuses).
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
@@ -73,13 +82,26 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     X = (X / norm.clamp(min=eps)).to(dtype or G.dtype)
     backend = resolve_backend(X, backend)
     if resolve_algorithm(algorithm, X.shape, len(coefficients), X.dtype) == "gram":
-        X = _gram_iteration(X, coefficients, backend)
+        X = _gram_iteration(X, coefficients, backend, preconditioner, eps)
     else:
+        gram = None
+        if preconditioner == "aol":
+            X, gram = _aol_scaled(X, symmetric_gram(X, backend), eps)
         for a, b, c in coefficients:
-            gram = symmetric_gram(X, backend)
+            if gram is None:
+                gram = symmetric_gram(X, backend)
             polynomial = symmetric_polynomial(gram, b, c, backend)  # b*A + c*A@A
             X = _scaled_plus_product(X, polynomial, a)  # a*X + (b*A + c*A@A) @ X
+            gram = None
     return X.mT if tall else X
+
+
+def _aol_scaled(X: Tensor, gram: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """AOL preconditioning (Boissin et al., "Turbo-Muon", arXiv 2512.04632): X's rows scaled by
+    d = (|X Xᵀ| 1)^(-1/2), which bounds the spectral norm of D X by 1 and starts its singular values closer to 1
+    than the Frobenius scaling does; returns D X and its Gram matrix D (X Xᵀ) D, computed from the one given."""
+    scale = gram.abs().sum(dim=-1).clamp(min=eps).rsqrt()  # clamped: a zero row stays zero
+    return X * scale.unsqueeze(-1).to(X.dtype), gram * scale.unsqueeze(-1) * scale.unsqueeze(-2)
 
 
 def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int, dtype: torch.dtype) -> str:
@@ -121,7 +143,8 @@ def _restart_steps(steps: int) -> tuple[int, ...]:
 _GRAM_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
-def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: str) -> Tensor:
+def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: str, preconditioner: str | None,
+                    eps: float) -> Tensor:
     """Gram Newton-Schulz: the same polynomial iteration, carried out on the (m, m) Gram matrix of a wide X.
 
     Every step multiplies X on the left by P = a I + b R + c R² with R = X Xᵀ, so X_k = Q_k X_0 with Q_k the product of
@@ -135,6 +158,8 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
     if inner_dtype != X.dtype:
         backend = kernel_choice(tuple(X.shape), inner_dtype, X.device)
     R = symmetric_gram(start.to(inner_dtype), backend)
+    if preconditioner == "aol":
+        start, R = _aol_scaled(start, R, eps)
     Q: Tensor | None = None
     for step, (a, b, c) in enumerate(coefficients):
         if step in restarts:

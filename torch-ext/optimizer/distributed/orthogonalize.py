@@ -15,7 +15,7 @@ from ..routing import MatrixView
 
 def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: Sequence[Tensor], *,
                   coefficients: Sequence[Coefficients], eps: float, ns_dtype: torch.dtype, ns_algorithm: str,
-                  out_dtype: torch.dtype) -> list[Tensor]:
+                  preconditioner: str | None, out_dtype: torch.dtype) -> list[Tensor]:
     """Newton-Schulz of each whole parameter (in its own layout), one batched call per matrix shape.
 
     A parameter whose flag is 0 gets an exact zero, as on a single device. Results are in `out_dtype`, laid out
@@ -27,7 +27,8 @@ def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: 
         buckets.setdefault((view.rows, view.cols), []).append(index)
     for indices in buckets.values():
         stack = torch.cat([views[i].to_matrices(fulls[i]).to(staging_dtype(ns_dtype)) for i in indices])
-        orthogonal = newton_schulz(stack, coefficients, eps, dtype=ns_dtype, algorithm=ns_algorithm)
+        orthogonal = newton_schulz(stack, coefficients, eps, dtype=ns_dtype, algorithm=ns_algorithm,
+                                   preconditioner=preconditioner)
         batches = [views[i].batch for i in indices]
         keep = torch.cat([finite[i].expand(views[i].batch) for i in indices]).view(-1, 1, 1) > 0
         orthogonal = torch.where(keep, orthogonal, 0.0)

@@ -34,6 +34,7 @@ class SpreadSettings:
     comm_dtype: torch.dtype
     ns_dtype: torch.dtype
     ns_algorithm: str
+    preconditioner: str | None
     coefficients: list[Coefficients]
     eps: float
     momentum: float
@@ -96,7 +97,7 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPi
                             [chunk[j].tensors.view for j in owned],
                             [finite[j] for j in owned], coefficients=settings.coefficients, eps=settings.eps,
                             ns_dtype=settings.ns_dtype, ns_algorithm=settings.ns_algorithm,
-                            out_dtype=settings.comm_dtype)
+                            preconditioner=settings.preconditioner, out_dtype=settings.comm_dtype)
     orthogonal = {j: chunk[j].layout.to_storage(result) for j, result in zip(owned, results)}
     del fulls
     send = _pack(orthogonal, scatter, send.device, settings.comm_dtype)
