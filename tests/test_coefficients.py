@@ -182,8 +182,27 @@ def test_preset_polar_express_is_built_for_the_step_count(steps):
     assert resolve_coefficients("polar_express", steps) == polar_express_coefficients(steps)
 
 
+# modded-nanogpt's train_gpt.py schedule "with safety 2e-2", which timm ships as "polar_express_safer".
+PUBLISHED_SAFER_8_STEPS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.0429299351667245, -2.808917465908704, 0.5000178451051299),
+    (3.8916678022926563, -2.7724841532176825, 0.5060648178503389),
+    (3.285753657755658, -2.3681294933425394, 0.46449024233003117),
+    (2.3005307116270983, -1.6111665557258408, 0.3833374427545273),
+    (1.8631210546382593, -1.2042160621002727, 0.3421879560523383),
+    (1.8382572152247512, -1.1779263289537742, 0.3396513038637379),
+    (1.8749999923301852, -1.2499999836060613, 0.374999991275876),
+]
+
+
+def test_preset_polar_express_safer_is_the_published_schedule_with_twice_the_margin():
+    ours = resolve_coefficients("polar_express_safer", 8)
+    for mine, published in zip(ours, PUBLISHED_SAFER_8_STEPS, strict=True):
+        assert mine == pytest.approx(published, rel=1e-7)
+
+
 def test_presets_are_listed():
-    assert COEFFICIENT_PRESETS == ("original", "quintic", "polar_express")
+    assert COEFFICIENT_PRESETS == ("original", "quintic", "polar_express", "polar_express_safer")
     for name in COEFFICIENT_PRESETS:
         assert resolve_coefficients(name, 0) == []
 

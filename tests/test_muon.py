@@ -249,13 +249,13 @@ def test_expert_bank_and_conv1d_layouts() -> None:
 
 def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, ...]] = []
-    real = functional.newton_schulz
+    real = functional.Orthogonalizer.__call__
 
-    def counting(matrices, *args, **kwargs):
+    def counting(self, matrices):
         calls.append(tuple(matrices.shape))
-        return real(matrices, *args, **kwargs)
+        return real(self, matrices)
 
-    monkeypatch.setattr(functional, "newton_schulz", counting)
+    monkeypatch.setattr(functional.Orthogonalizer, "__call__", counting)
     params = [torch.randn(32, 48) for _ in range(5)] + [torch.randn(48, 32) for _ in range(2)]
     seeded_grads(params, 0)
     Muon(params).step()
@@ -264,14 +264,17 @@ def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.Monkey
 
 def test_ns_dtype_none_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     dtypes: list[torch.dtype] = []
-    real = functional.newton_schulz
-    monkeypatch.setattr(functional, "newton_schulz",
-                        lambda matrices, *a, **k: dtypes.append(matrices.dtype) or real(matrices, *a, **k))
+    real = functional.Orthogonalizer.__call__
+    monkeypatch.setattr(functional.Orthogonalizer, "__call__",
+                        lambda self, matrices: dtypes.append(self.dtype) or real(self, matrices))
     param = torch.randn(8, 8)
     seeded_grads([param], 0)
     Muon([param]).step()
-    # bf16 where torch reports AMX bf16 units (bf16 products far faster than fp32 there), else fp32.
-    assert dtypes == [torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32]
+    # bf16 where the CPU has bf16 matrix instructions (AMX, AVX512-BF16), else fp32: the rule itself is tested with
+    # faked CPU flags in test_precision.py.
+    expected = torch.bfloat16 if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported() \
+        else torch.float32
+    assert dtypes == [expected]
 
 
 @pytest.mark.parametrize("spike", [None, 3e5])
@@ -346,6 +349,69 @@ def test_timm_and_our_name_for_one_option_must_agree(group: dict, message: str) 
     with pytest.raises(ValueError, match=message):
         opt.add_param_group(dict(params=[torch.randn(4, 4)], **group))
     assert len(opt.param_groups) == 1
+
+
+def composed_polar_express(singular_values: torch.Tensor, steps: int) -> torch.Tensor:
+    for a, b, c in optimizer.polar_express_coefficients(steps):
+        singular_values = a * singular_values + b * singular_values**3 + c * singular_values**5
+    return singular_values
+
+
+@pytest.mark.parametrize("shape", [(16, 40), (40, 16)])
+@pytest.mark.parametrize("options, tiny", [(dict(safety_factor=1.05), False), (dict(scale_eps=True), True),
+                                           (dict(scale_eps=True, safety_factor=1.2), False)])
+def test_timms_initial_scalings_follow_their_formulas(shape: tuple[int, int], options: dict, tiny: bool) -> None:
+    # timm: X0 = G / (‖G‖ safety_factor), clamped below by eps; with scale_eps, eps sqrt(in / out) is added instead
+    # (arXiv 2512.05620). The truth: U p(S / that denominator) Vᵀ from G's SVD in float64, p the composed schedule.
+    G = torch.randn(shape, dtype=torch.float64) * (1e-9 if tiny else 1.0)
+    eps = 1e-7
+    u, singular_values, vh = torch.linalg.svd(G, full_matrices=False)
+    norm = singular_values.norm() * options.get("safety_factor", 1.0)
+    denominator = norm + eps * math.sqrt(shape[1] / shape[0]) if options.get("scale_eps") else max(norm, eps)
+    expected = (u * composed_polar_express(singular_values / denominator, 5)) @ vh
+    out = optimizer.zeropower(G, 5, dtype=torch.float64, eps=eps, **options)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    update = one_step_update(torch.zeros_like(G), G / 0.5, ns_steps=5, **options)  # (1 - momentum) G enters
+    torch.testing.assert_close(update, expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("options, message", [(dict(safety_factor=0.5), r"Invalid safety_factor: 0.5"),
+                                              (dict(safety_factor=float("inf")), r"Invalid safety_factor: inf"),
+                                              (dict(scale_eps="yes"), r"Invalid scale_eps: 'yes'"),
+                                              (dict(capturable=1), r"Invalid capturable: 1"),
+                                              (dict(verbose="loud"), r"Invalid verbose: 'loud'")])
+def test_bad_timm_options_are_refused(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Muon([torch.randn(4, 8)], **options)
+
+
+def test_a_capturable_step_does_not_read_tensor_option_values() -> None:
+    # Reading a tensor lr's value is a host sync, which a CUDA graph cannot hold: a capturable group's step takes it
+    # on trust, as torch's capturable optimizers do; a plain group's step checks it.
+    for capturable in (False, True):
+        param = torch.randn(8, 12)
+        opt = Muon([param], lr=torch.tensor(0.01), capturable=capturable)
+        opt.param_groups[0]["lr"].fill_(-1.0)
+        param.grad = torch.randn(8, 12)
+        if capturable:
+            opt.step()
+        else:
+            with pytest.raises(ValueError, match="Invalid learning rate"):
+                opt.step()
+
+
+def test_verbose_logs_each_parameters_route(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 200))
+    with caplog.at_level("INFO"):
+        Muon(model.named_parameters(), verbose=True)
+    routes = [record.getMessage() for record in caplog.records]
+    assert any("0.weight (8, 16) -> Muon: 1 matrix(es) of 8x16" in line for line in routes), routes
+    assert any("0.bias (8,) -> AdamW: not a matrix Muon trains" in line for line in routes), routes
+    assert len(routes) == 4
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        Muon(model.parameters())
+    assert not caplog.records
 
 
 # --- non-finite and zero gradients ---------------------------------------------------------------------------

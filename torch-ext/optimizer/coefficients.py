@@ -27,7 +27,9 @@ _QUINTIC: tuple[Coefficients, ...] = (
     (2.8366, -3.0525, 1.2012),
 )
 
-COEFFICIENT_PRESETS: tuple[str, ...] = ("original", "quintic", "polar_express")
+COEFFICIENT_PRESETS: tuple[str, ...] = ("original", "quintic", "polar_express", "polar_express_safer")
+# "polar_express_safer": modded-nanogpt's (and timm's) schedule with twice the safety margin, for low precision.
+_SAFER_SAFETY_EPS = 2e-2
 
 # On [1 - w, 1] the minimax error of the best odd quintic is about 0.08 * w^3. Below this width it is under
 # 1e-13, near the float64 noise in evaluating p, so Remez has nothing left to resolve and its linear system
@@ -86,6 +88,8 @@ def _preset(name: str, steps: int, lower_bound: float) -> Sequence[Coefficients]
         return _QUINTIC
     if name == "polar_express":
         return polar_express_coefficients(max(steps, 1), lower_bound)
+    if name == "polar_express_safer":
+        return polar_express_coefficients(max(steps, 1), lower_bound, _SAFER_SAFETY_EPS)
     raise ValueError(f"Invalid coefficients: {name!r} (expected one of {', '.join(COEFFICIENT_PRESETS)} "
                      "or a sequence of (a, b, c) triples)")
 

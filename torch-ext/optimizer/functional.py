@@ -16,8 +16,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .coefficients import Coefficients
-from .newton_schulz import newton_schulz, staging_dtype
+from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 
@@ -113,19 +112,17 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
 
 
 def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
-                coefficients: list[Coefficients], eps: float, adjust_lr_fn: str | None,
-                ns_dtype: torch.dtype, ns_algorithm: str, preconditioner: str | None, normalize_spatial: bool,
+                orthogonalizer: Orthogonalizer, adjust_lr_fn: str | None, normalize_spatial: bool,
                 normalization: str | None = None, normalization_beta: float = 0.95) -> None:
     """Momentum, batched Newton-Schulz per bucket, the optional second-moment normalization, decoupled weight decay
     and the scaled update."""
     for (device, _, rows, cols), bucket in _bucket(items).items():
         batches = [item.view.batch for item in bucket]
-        matrices = torch.empty(sum(batches), rows, cols, dtype=staging_dtype(ns_dtype), device=device)
+        matrices = torch.empty(sum(batches), rows, cols, dtype=orthogonalizer.staging_dtype, device=device)
         finite = _momentum_into(bucket, matrices, momentum, nesterov)
         # A skipped parameter's momentum step wrote zeros, and Newton-Schulz maps zero to exactly zero (the norm is
         # clamped, and each matrix of the batch is independent), so its update below adds exactly nothing.
-        orthogonal = newton_schulz(matrices, coefficients, eps, dtype=ns_dtype, algorithm=ns_algorithm,
-                                   preconditioner=preconditioner)
+        orthogonal = orthogonalizer(matrices)
         params = [item.param for item in bucket]
         skipped = finite.eq(0)
         for item, was_skipped in zip(bucket, skipped.unbind()):
@@ -135,11 +132,12 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         parts = list(orthogonal.split(batches))
         if normalization is not None:
             parts = normalize(parts, [item.second_moment for item in bucket], [item.update_step for item in bucket],
-                              skipped, normalization, normalization_beta, eps,
+                              skipped, normalization, normalization_beta, orthogonalizer.eps,
                               bias_correction=not uses_rms_rule(normalization, adjust_lr_fn))
         for item, part in zip(bucket, parts):
             if uses_rms_rule(normalization, adjust_lr_fn):
-                step_size = -adjusted_lr(lr, None, item.view, normalize_spatial) * rms_rule_scale(part, item.view, eps)
+                step_size = -adjusted_lr(lr, None, item.view, normalize_spatial) * rms_rule_scale(
+                    part, item.view, orthogonalizer.eps)
             else:
                 step_size = -adjusted_lr(lr, adjust_lr_fn, item.view, normalize_spatial)
             add_scaled_(item.param, item.view.from_matrices(part, item.param.shape), step_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections import OrderedDict
@@ -17,7 +18,7 @@ from .coefficients import Coefficients, resolve_coefficients
 from .distributed.finite import found_inf_flags
 from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, by_device, muon_update
-from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS
+from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
@@ -26,6 +27,8 @@ from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, 
 # What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
 # belongs to its process and cannot be saved, so the copy's step asks for one instead of running single-device.
 _PROCESS_GROUP_NOT_SAVED = "process group not saved"
+
+logger = logging.getLogger(__name__)
 
 # State that must keep its own dtype through load_state_dict (torch casts other floating state to the parameter's
 # dtype, which would turn a step count or a float32 second moment into bf16 for a bf16 parameter).
@@ -69,13 +72,13 @@ def _invalid(name: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"Invalid {name}: {value!r} (expected {expected})")
 
 
-def _check_nonnegative(name: str, value: Any) -> None:
+def _check_nonnegative(name: str, value: Any, read_tensors: bool = True) -> None:
     if isinstance(value, Tensor):
         if not _is_real_scalar(value):
             raise ValueError(f"Tensor {name} must be 1-element (got a {value.dtype} tensor of shape "
                              f"{tuple(value.shape)})")
-        if torch.compiler.is_compiling():
-            return  # reading it would break the graph; torch optimizers do not check tensor values at step either
+        if not read_tensors or torch.compiler.is_compiling():
+            return  # reading it would sync or break the graph; torch optimizers do not check tensor values at step
     number = _as_real(value)
     if number is None or not number >= 0 or not math.isfinite(number):
         raise _invalid(name, value, "a finite number >= 0")
@@ -85,6 +88,11 @@ def _check_fraction(name: str, value: Any) -> None:
     _check_nonnegative(name, value)
     if _as_real(value) >= 1:
         raise _invalid(name, value, "a number in [0, 1)")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):  # not `in (False, True)`: 1 == True
+        raise ValueError(f"Invalid {name}: {value!r} (expected True or False)")
 
 
 def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
@@ -152,9 +160,13 @@ def _adamw_lr_as_scale(group: dict[str, Any], reference_lr: Any) -> dict[str, An
     return {**group, "adamw_lr_scale": _as_real(adamw_lr) / lr}
 
 
-def _validate_group(group: dict[str, Any]) -> None:
+def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
+    """Every option of the group; at step time a capturable group's tensor values are not read (a host sync)."""
+    _check_bool("capturable", group["capturable"])
+    _check_bool("verbose", group["verbose"])
+    read_tensors = not (at_step and group["capturable"])
     for key in ("lr", "weight_decay", "eps", "adamw_eps"):
-        _check_nonnegative(key, group[key])
+        _check_nonnegative(key, group[key], read_tensors)
     if not _as_real(group["eps"]) > 0:
         raise _invalid("eps", group["eps"], "a number > 0")
     _check_fraction("momentum", group["momentum"])
@@ -182,8 +194,12 @@ def _validate_group(group: dict[str, Any]) -> None:
     _check_choice("ns_algorithm", group["ns_algorithm"], NS_ALGORITHMS)
     _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
     _check_choice("normalization", group["normalization"], NORMALIZATIONS)
-    if not isinstance(group["normalize_spatial"], bool):
-        raise ValueError(f"Invalid normalize_spatial: {group['normalize_spatial']!r} (expected True or False)")
+    try:
+        check_safety_factor(_as_real(group["safety_factor"]))
+    except ValueError:
+        raise _invalid("safety_factor", group["safety_factor"], "a finite number >= 1") from None
+    _check_bool("scale_eps", group["scale_eps"])
+    _check_bool("normalize_spatial", group["normalize_spatial"])
     _check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
     _check_choice("use_muon", group["use_muon"], (None, True, False))
     dtype = group["ns_dtype"]
@@ -275,6 +291,12 @@ class Muon(Optimizer):
         preconditioner: None or "aol": rows scaled by (|X Xᵀ| 1)^(-1/2) before the iteration instead of relying on
             the Frobenius scaling alone (Turbo-Muon); the "polar_express" schedule then assumes it, and 4 steps reach
             the accuracy 5 reach without it on well-conditioned matrices.
+        safety_factor: the Frobenius norm is multiplied by it before the division (timm's option; >= 1).
+        scale_eps: timm's μP option (arXiv 2512.05620): eps * sqrt(in / out) is added to the norm instead of
+            clamping it.
+        capturable: a step safe to capture in a CUDA graph (timm's and torch's option): tensor option values (a
+            tensor lr) are not read at step time. The step never syncs with the host in any case.
+        verbose: log (INFO, logger "optimizer.muon" under the package's name) where each parameter goes and why.
         normalization: None, "neuron" (NorMuon: each output row of the orthogonalized update divided by the root of
             a running mean of its squares) or "element" (AdaMuon: the same per entry; timm's algo="adamuon"). The
             running mean's beta is adamw_betas[1], as timm shares it; under "match_rms_adamw" the normalized update
@@ -312,7 +334,8 @@ class Muon(Optimizer):
                  chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
                  qk_clip: Mapping[Hashable, QKClipLayer] | None = None,
                  qk_clip_threshold: float = DEFAULT_THRESHOLD, *, preconditioner: str | None = None,
-                 normalization: str | None = None,
+                 normalization: str | None = None, safety_factor: float = 1.0, scale_eps: bool = False,
+                 capturable: bool = False, verbose: bool = False,
                  betas: tuple[float, float] | None = None, fallback_lr_scale: float | None = None,
                  algo: str | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -320,7 +343,8 @@ class Muon(Optimizer):
                         ns_algorithm=ns_algorithm, conv_mode=conv_mode, normalize_spatial=normalize_spatial, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
                         adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
                         comm_dtype=comm_dtype, chunk_size=chunk_size, preconditioner=preconditioner,
-                        normalization=normalization, use_muon=None, param_layout="auto")
+                        normalization=normalization, safety_factor=safety_factor, scale_eps=scale_eps,
+                        capturable=capturable, verbose=verbose, use_muon=None, param_layout="auto")
         defaults = _adamw_lr_as_scale(_from_timm_spellings({**defaults, "betas": betas, "algo": algo,
                                                              "fallback_lr_scale": fallback_lr_scale}), lr)
         if defaults["adamw_lr_scale"] is None:
@@ -370,6 +394,23 @@ class Muon(Optimizer):
         if group["ns_dtype"] is not None:
             for device in {param.device for param in group["params"] if self._uses_muon(group, param)}:
                 warn_if_slow(group["ns_dtype"], device)
+        if group["verbose"]:
+            self._log_routing(group)
+
+    def _log_routing(self, group: dict[str, Any]) -> None:
+        """timm's `verbose`: where each parameter of a new group goes, and why (logged at INFO)."""
+        names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
+        for name, param in zip(names, group["params"]):
+            shape = tuple(param.shape)
+            if group["use_muon"] is not None:
+                reason = f"use_muon={group['use_muon']} in its group"
+            elif self._uses_muon(group, param):
+                view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
+                reason = f"{view.batch} matrix(es) of {view.rows}x{view.cols}"
+            else:
+                reason = "not a matrix Muon trains (fewer than 2 dimensions, a side below 2, or aspect ratio > 128)"
+            route = "Muon" if self._uses_muon(group, param) else "AdamW"
+            logger.info("parameter %s %s -> %s: %s", name, shape, route, reason)
 
     def __repr__(self) -> str:
         """torch's listing of the groups, then what ns_dtype=None resolves to on each device, and why."""
@@ -397,7 +438,7 @@ class Muon(Optimizer):
     def _check_step_inputs(group: dict[str, Any]) -> None:
         """What a step of this group needs, checked before any group creates state or updates a parameter: a group
         value may have been changed since construction, and a gradient may be of a kind Muon refuses."""
-        _validate_group(group)
+        _validate_group(group, at_step=True)
         for param in group["params"]:
             grad = param.grad
             if grad is None:
@@ -406,6 +447,12 @@ class Muon(Optimizer):
                 raise RuntimeError(f"Muon does not support sparse gradients (parameter of shape {tuple(param.shape)})")
             if torch.is_complex(param) or torch.is_complex(grad):
                 raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
+
+    def _graph_capture_health_check(self) -> None:
+        """torch's check that a captured step has capturable=True in every group, under its current name: the older
+        `_cuda_graph_capture_health_check` warns when called, which a compiled step cannot trace."""
+        check = getattr(self, "_accelerator_graph_capture_health_check", None) or self._cuda_graph_capture_health_check
+        check()
 
     def _check_normalization_state(self, group: dict[str, Any]) -> None:
         """A normalization runs on one device's parameters, and a second moment kept from an earlier run must have
@@ -462,13 +509,13 @@ class Muon(Optimizer):
     def _muon_step(self, group: dict[str, Any], items: list[MuonTensors]) -> None:
         if not items:
             return
-        ns_dtype = group["ns_dtype"] or default_ns_dtype(items[0].param.device)
+        orthogonalizer = Orthogonalizer(
+            tuple(resolve_coefficients(group["ns_coefficients"], group["ns_steps"], group["preconditioner"])),
+            _as_real(group["eps"]), group["ns_dtype"] or default_ns_dtype(items[0].param.device),
+            group["ns_algorithm"], group["preconditioner"], _as_real(group["safety_factor"]), group["scale_eps"])
         settings = dict(lr=_learning_rate(group["lr"]), weight_decay=_as_real(group["weight_decay"]),
                         momentum=_as_real(group["momentum"]), nesterov=group["nesterov"],
-                        coefficients=resolve_coefficients(group["ns_coefficients"], group["ns_steps"],
-                                                          group["preconditioner"]),
-                        eps=_as_real(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=ns_dtype,
-                        ns_algorithm=group["ns_algorithm"], preconditioner=group["preconditioner"],
+                        orthogonalizer=orthogonalizer, adjust_lr_fn=group["adjust_lr_fn"],
                         normalize_spatial=group["normalize_spatial"])
         if group["normalization"] is not None:  # the distributed pipeline has no second moments yet (refused earlier)
             settings.update(normalization=group["normalization"], normalization_beta=_as_real(group["adamw_betas"][1]))
@@ -512,6 +559,7 @@ class Muon(Optimizer):
         if self.process_group is _PROCESS_GROUP_NOT_SAVED:
             raise RuntimeError("Invalid process_group: this optimizer was copied or unpickled, and a process group "
                                "cannot be saved; set `optimizer.process_group = <the group>` (or None) before step()")
+        self._graph_capture_health_check()
         if qk_logits and not self.qk_clip:
             raise ValueError(f"Invalid qk_logits: {list(qk_logits)!r} given, but no qk_clip layers are configured")
         check_qk_logits(self.qk_clip, qk_logits or {})  # before any update: bad input changes nothing

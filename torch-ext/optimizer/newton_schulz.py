@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,7 +22,8 @@ _MAX_STEPS = 100
 
 def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficients] = "polar_express",
               dtype: torch.dtype | None = None, eps: float = 1e-7, backend: str | None = None,
-              algorithm: str = "standard", preconditioner: str | None = None) -> Tensor:
+              algorithm: str = "standard", preconditioner: str | None = None, safety_factor: float = 1.0,
+              scale_eps: bool = False) -> Tensor:
     """Approximate U V^T for a matrix (m, n) or for each matrix of a batch (B, m, n), computed in `dtype` (None: the
     dtype G's device multiplies fastest in, `default_ns_dtype(G.device)`).
 
@@ -30,8 +32,9 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     the symmetric products; None lets `kernel_choice` pick by device, dtype and shape. `algorithm`: "standard"
     (three products of X's size per step), "gram" (the same polynomial applied through X's Gram matrix, cheaper for
     rectangular X) or "auto" (see `resolve_algorithm`). `preconditioner="aol"` rescales X's rows before the first
-    step (see `_aol_scaled`), and the "polar_express" preset then assumes it (`resolve_coefficients`). The result has
-    G's shape and dtype.
+    step (see `_aol_scaled`), and the "polar_express" preset then assumes it (`resolve_coefficients`).
+    `safety_factor` (>= 1) and `scale_eps` change the initial scaling as timm's options do (see `newton_schulz`). The
+    result has G's shape and dtype.
     """
     _check_matrix(G)
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _MAX_STEPS:
@@ -50,9 +53,41 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     if preconditioner not in PRECONDITIONERS:
         raise ValueError(f"Invalid preconditioner: {preconditioner!r} (expected one of "
                          f"{', '.join(map(repr, PRECONDITIONERS))})")
+    check_safety_factor(safety_factor)
+    if not isinstance(scale_eps, bool):
+        raise ValueError(f"Invalid scale_eps: {scale_eps!r} (expected True or False)")
     schedule = resolve_coefficients(coefficients, steps, preconditioner)
-    return newton_schulz(G.to(staging_dtype(dtype)), schedule, eps, backend, dtype, algorithm,
-                         preconditioner).to(G.dtype)
+    return newton_schulz(G.to(staging_dtype(dtype)), schedule, eps, backend, dtype, algorithm, preconditioner,
+                         safety_factor, scale_eps).to(G.dtype)
+
+
+def check_safety_factor(safety_factor: float) -> None:
+    """A factor below 1 could leave the scaled spectral norm above 1, where the iteration diverges."""
+    if isinstance(safety_factor, bool) or not isinstance(safety_factor, int | float) or not (
+            1 <= safety_factor < math.inf):
+        raise ValueError(f"Invalid safety_factor: {safety_factor!r} (expected a finite number >= 1)")
+
+
+@dataclass(frozen=True)
+class Orthogonalizer:
+    """One parameter group's Newton-Schulz recipe, applied to every stack of its matrices in a step."""
+
+    coefficients: tuple[Coefficients, ...]
+    eps: float
+    dtype: torch.dtype
+    algorithm: str = "standard"
+    preconditioner: str | None = None
+    safety_factor: float = 1.0
+    scale_eps: bool = False
+
+    @property
+    def staging_dtype(self) -> torch.dtype:
+        return staging_dtype(self.dtype)
+
+    def __call__(self, matrices: Tensor) -> Tensor:
+        return newton_schulz(matrices, self.coefficients, self.eps, dtype=self.dtype, algorithm=self.algorithm,
+                             preconditioner=self.preconditioner, safety_factor=self.safety_factor,
+                             scale_eps=self.scale_eps)
 
 
 def staging_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,7 +98,7 @@ def staging_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, backend: str | None = None,
                   dtype: torch.dtype | None = None, algorithm: str = "standard",
-                  preconditioner: str | None = None) -> Tensor:
+                  preconditioner: str | None = None, safety_factor: float = 1.0, scale_eps: bool = False) -> Tensor:
     """The iteration itself for validated inputs: G is (m, n) or (B, m, n), one step per triple.
 
     Works on the wide orientation (the Gram matrix is min(m, n) squared) and scales each matrix by its
@@ -73,13 +108,20 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     torch.optim.Muon, so with the "torch" backend results match it bit for bit. The symmetric products go
     through `backend` (None: chosen per device, dtype and shape). `algorithm` is "standard", "gram" (the iteration on
     the Gram matrix, `_gram_iteration`) or "auto" (see `resolve_algorithm`). `preconditioner` None or "aol"
-    (`_aol_scaled`, on the first Gram matrix, which the first step then reuses).
+    (`_aol_scaled`, on the first Gram matrix, which the first step then reuses). `safety_factor` multiplies the
+    norm before the division (timm's; Polar Express uses 1.01). `scale_eps` (timm's, for μP, arXiv 2512.05620):
+    eps * sqrt(cols / rows) of G as given ((out, in)) is added to the norm instead of clamping it.
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
     # Clamped, not offset: a zero matrix stays exactly zero. The full reduction for 2D is torch.optim.Muon's.
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
-    X = (X / norm.clamp(min=eps)).to(dtype or G.dtype)
+    if safety_factor != 1.0:
+        norm = norm * safety_factor
+    if scale_eps:
+        X = (X / (norm + eps * math.sqrt(G.size(-1) / G.size(-2)))).to(dtype or G.dtype)
+    else:
+        X = (X / norm.clamp(min=eps)).to(dtype or G.dtype)
     backend = resolve_backend(X, backend)
     if resolve_algorithm(algorithm, X.shape, len(coefficients), X.dtype) == "gram":
         X = _gram_iteration(X, coefficients, backend, preconditioner, eps)

@@ -7,15 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..coefficients import Coefficients
 from ..functional import LearningRate, add_scaled_, decay_factors
-from ..newton_schulz import newton_schulz, staging_dtype
+from ..newton_schulz import Orthogonalizer
 from ..routing import MatrixView
 
 
 def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: Sequence[Tensor], *,
-                  coefficients: Sequence[Coefficients], eps: float, ns_dtype: torch.dtype, ns_algorithm: str,
-                  preconditioner: str | None, out_dtype: torch.dtype) -> list[Tensor]:
+                  orthogonalizer: Orthogonalizer, out_dtype: torch.dtype) -> list[Tensor]:
     """Newton-Schulz of each whole parameter (in its own layout), one batched call per matrix shape.
 
     A parameter whose flag is 0 gets an exact zero, as on a single device. Results are in `out_dtype`, laid out
@@ -26,9 +24,8 @@ def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: 
     for index, view in enumerate(views):
         buckets.setdefault((view.rows, view.cols), []).append(index)
     for indices in buckets.values():
-        stack = torch.cat([views[i].to_matrices(fulls[i]).to(staging_dtype(ns_dtype)) for i in indices])
-        orthogonal = newton_schulz(stack, coefficients, eps, dtype=ns_dtype, algorithm=ns_algorithm,
-                                   preconditioner=preconditioner)
+        stack = torch.cat([views[i].to_matrices(fulls[i]).to(orthogonalizer.staging_dtype) for i in indices])
+        orthogonal = orthogonalizer(stack)
         batches = [views[i].batch for i in indices]
         keep = torch.cat([finite[i].expand(views[i].batch) for i in indices]).view(-1, 1, 1) > 0
         orthogonal = torch.where(keep, orthogonal, 0.0)

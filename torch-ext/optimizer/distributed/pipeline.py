@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import native
-from ..coefficients import Coefficients
 from ..functional import LearningRate, MuonTensors, adjusted_lr
+from ..newton_schulz import Orthogonalizer
 from . import comm
 from .dtensors import local_tensor
 from .layout import ShardLayout, box_numel, box_shape
@@ -32,11 +32,7 @@ class SpreadSettings:
     group: dist.ProcessGroup
     rank: int
     comm_dtype: torch.dtype
-    ns_dtype: torch.dtype
-    ns_algorithm: str
-    preconditioner: str | None
-    coefficients: list[Coefficients]
-    eps: float
+    orthogonalizer: Orthogonalizer
     momentum: float
     nesterov: bool
     lr: LearningRate
@@ -95,9 +91,8 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPi
     owned = [j for j, item in enumerate(chunk) if item.owner == settings.rank]
     results = orthogonalize([chunk[j].layout.to_global(fulls[j]) for j in owned],
                             [chunk[j].tensors.view for j in owned],
-                            [finite[j] for j in owned], coefficients=settings.coefficients, eps=settings.eps,
-                            ns_dtype=settings.ns_dtype, ns_algorithm=settings.ns_algorithm,
-                            preconditioner=settings.preconditioner, out_dtype=settings.comm_dtype)
+                            [finite[j] for j in owned], orthogonalizer=settings.orthogonalizer,
+                            out_dtype=settings.comm_dtype)
     orthogonal = {j: chunk[j].layout.to_storage(result) for j, result in zip(owned, results)}
     del fulls
     send = _pack(orthogonal, scatter, send.device, settings.comm_dtype)

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..coefficients import Coefficients
 from ..functional import LearningRate, MuonTensors, muon_update
+from ..newton_schulz import Orthogonalizer
 from ..routing import MatrixView
 from . import comm
 from .assignment import assign_owners, by_decreasing_cost, newton_schulz_cost
@@ -34,9 +34,8 @@ def is_spread(param: Tensor, process_group: dist.ProcessGroup | None) -> bool:
 
 def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist.ProcessGroup | None,
                             comm_dtype: torch.dtype, chunk_size: int | None, lr: LearningRate, weight_decay: float,
-                            momentum: float, nesterov: bool, coefficients: list[Coefficients], eps: float,
-                            adjust_lr_fn: str | None, ns_dtype: torch.dtype, ns_algorithm: str,
-                            preconditioner: str | None, normalize_spatial: bool) -> None:
+                            momentum: float, nesterov: bool, orthogonalizer: Orthogonalizer,
+                            adjust_lr_fn: str | None, normalize_spatial: bool) -> None:
     """Muon's update for parameters spread over ranks, with the single-device result (up to `comm_dtype`
     rounding). DTensors run over the mesh dims that shard them (see `comm.spread_mesh_dims`), plain tensors over
     `process_group`. Parameters whose every rank holds whole matrices (expert banks sharded on the expert dim)
@@ -50,8 +49,7 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         _update_in_place([(item, grad, flag) for item, grad, flag, local in
                           zip(group_items, grads, everywhere.unbind(), in_place) if local],
                          lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                         coefficients=coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
-                         ns_algorithm=ns_algorithm, preconditioner=preconditioner,
+                         orthogonalizer=orthogonalizer, adjust_lr_fn=adjust_lr_fn,
                          normalize_spatial=normalize_spatial)
         spread = [SpreadItem(item, layout, 0, grad, flag) for item, layout, grad, flag, local in
                   zip(group_items, layouts, grads, everywhere.unbind(), in_place) if not local]
@@ -61,8 +59,8 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         spread = [replace(item, owner=owner) for item, owner in zip(spread, assign_owners(costs, world))]
         ordered = [spread[i] for i in by_decreasing_cost(costs)]
         size = chunk_size or _MATRICES_PER_RANK_PER_CHUNK * world
-        settings = SpreadSettings(group, rank, comm_dtype, ns_dtype, ns_algorithm, preconditioner, coefficients, eps,
-                                  momentum, nesterov, lr, weight_decay, adjust_lr_fn, normalize_spatial)
+        settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
+                                  adjust_lr_fn, normalize_spatial)
         run_staggered(chunk_pipeline(ordered[start:start + size], settings)
                       for start in range(0, len(ordered), size))
 
