@@ -26,7 +26,7 @@ bench: build
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps muon-fsdp2==0.3.0
 	$(PY) benchmarks/bench.py
 
-# AdamW and the Muon variants on the demo GPT over one lr grid and two seeds (50 runs: ~45 minutes on 2 CPU cores).
+# AdamW and the Muon variants on the demo GPT over one lr grid and two seeds (60 runs: about an hour on 2 CPU cores).
 quality: build
 	$(PY) benchmarks/quality.py
 
