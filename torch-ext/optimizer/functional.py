@@ -130,12 +130,13 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         if weight_decay != 0:
             torch._foreach_mul_(params, list(decay_factors(skipped, lr, weight_decay, params[0].dtype).unbind()))
         parts = list(orthogonal.split(batches))
+        rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
         if normalization is not None:
             parts = normalize(parts, [item.second_moment for item in bucket], [item.update_step for item in bucket],
                               skipped, normalization, normalization_beta, orthogonalizer.eps,
-                              bias_correction=not uses_rms_rule(normalization, adjust_lr_fn))
+                              bias_correction=not rms_rule)
         for item, part in zip(bucket, parts):
-            if uses_rms_rule(normalization, adjust_lr_fn):
+            if rms_rule:
                 step_size = -adjusted_lr(lr, None, item.view, normalize_spatial) * rms_rule_scale(
                     part, item.view, orthogonalizer.eps)
             else:
@@ -191,9 +192,8 @@ def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor, *, lr: LearningRate
     written = [item.param, item.exp_avg, item.exp_avg_sq]
     contiguous = [tensor if tensor.is_contiguous() else tensor.contiguous() for tensor in written]
     torch._fused_adamw_([contiguous[0]], [item.grad.contiguous()], [contiguous[1]], [contiguous[2]], [], [item.step],
-                        lr=lr, beta1=betas[0],
-                        beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-                        found_inf=found_inf)
+                        lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False,
+                        maximize=False, found_inf=found_inf)
     for original, result in zip(written, contiguous):
         if result is not original:
             original.copy_(result)

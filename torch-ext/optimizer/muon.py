@@ -328,7 +328,8 @@ class Muon(Optimizer):
                  lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, ns_coefficients: str | list[Coefficients] = "polar_express", eps: float = 1e-7,
                  adjust_lr_fn: str | None = "match_rms_adamw", ns_dtype: torch.dtype | None = None,
-                 ns_algorithm: str = "auto", conv_mode: str = "flatten", normalize_spatial: bool = False, adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
+                 ns_algorithm: str = "auto", conv_mode: str = "flatten", normalize_spatial: bool = False,
+                 adamw_lr: float | None = None, adamw_lr_scale: float | None = None,
                  adamw_betas: tuple[float, float] | None = None, adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, comm_dtype: torch.dtype = torch.bfloat16,
                  chunk_size: int | None = None, process_group: "torch.distributed.ProcessGroup | None" = None,
@@ -340,7 +341,8 @@ class Muon(Optimizer):
                  algo: str | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
-                        ns_algorithm=ns_algorithm, conv_mode=conv_mode, normalize_spatial=normalize_spatial, adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
+                        ns_algorithm=ns_algorithm, conv_mode=conv_mode, normalize_spatial=normalize_spatial,
+                        adamw_lr=adamw_lr, adamw_lr_scale=adamw_lr_scale,
                         adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
                         comm_dtype=comm_dtype, chunk_size=chunk_size, preconditioner=preconditioner,
                         normalization=normalization, safety_factor=safety_factor, scale_eps=scale_eps,
@@ -401,16 +403,15 @@ class Muon(Optimizer):
         """timm's `verbose`: where each parameter of a new group goes, and why (logged at INFO)."""
         names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
         for name, param in zip(names, group["params"]):
-            shape = tuple(param.shape)
+            uses_muon = self._uses_muon(group, param)
             if group["use_muon"] is not None:
                 reason = f"use_muon={group['use_muon']} in its group"
-            elif self._uses_muon(group, param):
+            elif uses_muon:
                 view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
                 reason = f"{view.batch} matrix(es) of {view.rows}x{view.cols}"
             else:
                 reason = "not a matrix Muon trains (fewer than 2 dimensions, a side below 2, or aspect ratio > 128)"
-            route = "Muon" if self._uses_muon(group, param) else "AdamW"
-            logger.info("parameter %s %s -> %s: %s", name, shape, route, reason)
+            logger.info("parameter %s %s -> %s: %s", name, tuple(param.shape), "Muon" if uses_muon else "AdamW", reason)
 
     def __repr__(self) -> str:
         """torch's listing of the groups, then what ns_dtype=None resolves to on each device, and why."""

@@ -140,12 +140,12 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     for i, tensor in enumerate(tensors):
         if tensor.device != device:  # else the dispatcher would pick the other device
             raise ValueError(f"finite_flags: tensors[{i}] is on {tensor.device} but tensors[0] is on {device}")
-    finite = torch.ones(len(tensors), dtype=torch.float32, device=device)
     compiled = _compiled_op(_FINITE_FLAGS_OP, device.type)
+    if compiled is None and tensors:
+        return torch.stack([_guard_sum(tensor) for tensor in tensors]).isfinite().to(torch.float32)
+    finite = torch.ones(len(tensors), dtype=torch.float32, device=device)
     if compiled is not None:
         compiled([tensor.contiguous() for tensor in tensors], finite)
-    elif tensors:
-        finite = torch.stack([_guard_sum(tensor) for tensor in tensors]).isfinite().to(torch.float32)
     return finite
 
 

@@ -114,14 +114,13 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
-    # Clamped, not offset: a zero matrix stays exactly zero. The full reduction for 2D is torch.optim.Muon's.
+    # Clamped (or, under scale_eps, offset): a zero matrix stays exactly zero. The full reduction for 2D is
+    # torch.optim.Muon's, and without a safety factor no multiply is added, so its rounding is torch's too.
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
     if safety_factor != 1.0:
         norm = norm * safety_factor
-    if scale_eps:
-        X = (X / (norm + eps * math.sqrt(G.size(-1) / G.size(-2)))).to(dtype or G.dtype)
-    else:
-        X = (X / norm.clamp(min=eps)).to(dtype or G.dtype)
+    denominator = norm + eps * math.sqrt(G.size(-1) / G.size(-2)) if scale_eps else norm.clamp(min=eps)
+    X = (X / denominator).to(dtype or G.dtype)
     backend = resolve_backend(X, backend)
     if resolve_algorithm(algorithm, X.shape, len(coefficients), X.dtype) == "gram":
         X = _gram_iteration(X, coefficients, backend, preconditioner, eps)
