@@ -89,8 +89,30 @@ def test_a_flattened_conv_follows_its_matrix(normalization: str) -> None:
     matrix_opt = train(matrix, grads, normalization=normalization)
     torch.testing.assert_close(conv.reshape(8, 36), matrix, rtol=0, atol=1e-14)
     conv_state, matrix_state = conv_opt.state[conv], matrix_opt.state[matrix]
-    torch.testing.assert_close(conv_state["update_sq"], matrix_state["update_sq"], rtol=0, atol=1e-14)
+    torch.testing.assert_close(conv_state["update_sq"].reshape(matrix_state["update_sq"].shape),
+                               matrix_state["update_sq"], rtol=0, atol=1e-14)
     assert conv_state["update_step"].item() == matrix_state["update_step"].item() == 3
+
+
+@pytest.mark.parametrize("normalization", ["neuron", "element"])
+@pytest.mark.parametrize("shape,matrices,matrix_at", [
+    ((6, 4, 2, 2), 4, lambda tensor, k: tensor[:, :, k // 2, k % 2]),  # batched conv: a matrix per kernel position
+    ((3, 6, 8), 3, lambda tensor, k: tensor[k]),  # expert bank: one matrix per expert
+], ids=["batched_conv", "experts"])
+def test_each_matrix_of_a_stack_keeps_its_own_second_moment(normalization: str, shape: tuple[int, ...],
+                                                            matrices: int, matrix_at) -> None:
+    """Without the RMS rule (which scales the whole parameter), a stack's matrices are independent: each follows
+    the run of that matrix alone, its second moment included."""
+    stack, grads = torch.randn(shape, dtype=torch.float64), grads_for(shape, 3)
+    options = dict(normalization=normalization, adjust_lr_fn="spectral", conv_mode="batched")
+    original = stack.clone()
+    stack_opt = train(stack, grads, **options)
+    for k in range(matrices):
+        matrix = matrix_at(original, k).clone()
+        matrix_opt = train(matrix, [matrix_at(grad, k) for grad in grads], **options)
+        torch.testing.assert_close(matrix_at(stack, k), matrix, rtol=0, atol=1e-14)
+        torch.testing.assert_close(matrix_at(stack_opt.state[stack]["update_sq"], k).reshape(-1),
+                                   matrix_opt.state[matrix]["update_sq"].reshape(-1), rtol=0, atol=1e-14)
 
 
 def test_a_nonfinite_gradient_leaves_parameter_and_second_moment_untouched() -> None:
@@ -114,7 +136,7 @@ def test_second_moment_stays_float32_for_bf16_parameters_through_a_checkpoint() 
     restored = Muon([param.clone()], lr=LR, normalization="neuron")
     restored.load_state_dict(opt.state_dict())
     state = restored.state[restored.param_groups[0]["params"][0]]
-    assert state["update_sq"].dtype == torch.float32 and state["update_sq"].shape == (1, 12)
+    assert state["update_sq"].dtype == torch.float32 and state["update_sq"].shape == (12, 1)
     assert torch.equal(state["update_sq"], opt.state[param]["update_sq"])
     assert state["update_step"].dtype == torch.float32 and state["update_step"].item() == 2
 
@@ -158,6 +180,6 @@ def test_bad_normalization_options_are_refused_before_anything_changes() -> None
     opt.step()
     opt.param_groups[1]["normalization"] = "neuron"  # its saved second moment has the other shape
     weights = [first.clone(), second.clone()]
-    with pytest.raises(ValueError, match=r"'neuron' needs a second moment of shape \(1, 6\)"):
+    with pytest.raises(ValueError, match=r"'neuron' needs a second moment of shape \(6, 1\)"):
         opt.step()
     assert torch.equal(first, weights[0]) and torch.equal(second, weights[1])  # the first group did not step either

@@ -95,6 +95,25 @@ def dtensor_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], a
     assert_matches(buffers, [truth.state[q]["momentum_buffer"] for q in reference], atol)
     skips = [int(ours.state[p]["nonfinite_skips"]) for p in params]
     assert skips == [int(truth.state[q]["nonfinite_skips"]) for q in reference], skips
+    if options.get("normalization") is not None:
+        _assert_second_moments_match(ours, truth, params, reference, atol)
+
+
+def _assert_second_moments_match(ours: Muon, truth: Muon, params: Sequence[torch.Tensor],
+                                 reference: Sequence[torch.Tensor], atol: float) -> None:
+    """A normalization's second moments live with the shards (split like the parameter along the dims they keep)
+    and hold what one device's do; their step counts agree."""
+    moments = [ours.state[p]["update_sq"] for p in params]
+    for p, moment in zip(params, moments):
+        if isinstance(p, DTensor):
+            assert isinstance(moment, DTensor) and moment.device_mesh == p.device_mesh
+            kept = [d for d in range(p.ndim) if moment.shape[d] == p.shape[d]]
+            for placement, moment_placement in zip(p.placements, moment.placements):
+                split_kept = not placement.is_replicate() and placement.dim % p.ndim in kept
+                assert moment_placement == (placement if split_kept else Replicate()), (p.placements, moment)
+    assert_matches(moments, [truth.state[q]["update_sq"] for q in reference], atol)
+    steps = [float(ours.state[p]["update_step"]) for p in params]
+    assert steps == [float(truth.state[q]["update_step"]) for q in reference], steps
 
 
 def nonfinite_shard_case(world: int) -> None:
@@ -127,15 +146,15 @@ def fsdp2_case(world: int) -> None:
     assert_matches(list(model.parameters()), list(reference.parameters()), FP32_ATOL)
 
 
-def ddp_case(world: int, comm_dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL) -> None:
+def ddp_case(world: int, comm_dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL, **options) -> None:
     """DistributedDataParallel (plain replicated tensors) with process_group: each rank orthogonalizes part of
     the matrices; the replicas must stay bit-identical and match single-device Muon."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 6))
     reference = copy.deepcopy(model)
     wrapped = nn.parallel.DistributedDataParallel(model)
-    ours = Muon(model.parameters(), **OPTIONS, comm_dtype=comm_dtype, process_group=dist.group.WORLD)
-    truth = Muon(reference.parameters(), **OPTIONS)
+    ours = Muon(model.parameters(), **OPTIONS, **options, comm_dtype=comm_dtype, process_group=dist.group.WORLD)
+    truth = Muon(reference.parameters(), **OPTIONS, **options)
     rank, per_rank = dist.get_rank(), 8  # 8 * world >= 12 samples: full-rank gradients (see BF16_ATOL)
     for step in range(STEPS):
         batch = torch.randn(world * per_rank, 12, generator=torch.Generator().manual_seed(300 + step))
@@ -186,14 +205,33 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "ddp_process_group": partial(ddp_case, world),
         "ddp_process_group_bf16_comm": partial(ddp_case, world, torch.bfloat16, TRAINED_BF16_ATOL),
         "shard0_bf16_comm_default": partial(dtensor_case, (world,), [Shard(0)], atol=BF16_ATOL, comm_dtype=None),
+        # NorMuon and AdaMuon on shards: rows whole on each rank (the expert bank updated in place, except where the
+        # RMS rule needs its whole norm), rows split between ranks (their squares summed across), both normalizations
+        # with and without the RMS rule, batched conv matrices, and replicated data-parallel tensors.
+        "shard0_neuron_normalization": partial(dtensor_case, (world,), [Shard(0)], normalization="neuron"),
+        "shard1_neuron_normalization": partial(dtensor_case, (world,), [Shard(1)], normalization="neuron"),
+        "shard0_element_normalization_spectral": partial(dtensor_case, (world,), [Shard(0)],
+                                                         normalization="element", adjust_lr_fn="spectral"),
+        "shard1_element_normalization": partial(dtensor_case, (world,), [Shard(1)], normalization="element"),
+        "shard1_neuron_normalization_spectral_batched_conv": partial(
+            dtensor_case, (world,), [Shard(1)], normalization="neuron", adjust_lr_fn="spectral",
+            conv_mode="batched"),
+        "ddp_process_group_neuron_normalization": partial(ddp_case, world, normalization="neuron"),
     }
     if LONE_STRIDED_SHARD_ACCEPTED:
         cases["strided_shard1_1d"] = partial(dtensor_case, (world,), [_StridedShard(1, split_factor=2)])
+        cases["strided_shard1_neuron_normalization"] = partial(dtensor_case, (world,),
+                                                               [_StridedShard(1, split_factor=2)],
+                                                               normalization="neuron")
     if world == 4:
         cases["mesh2x2_strided_shard0_shard0"] = partial(dtensor_case, (2, 2), [_StridedShard(0, split_factor=2),
                                                                                 Shard(0)])
         # (3, 8) over 4 ranks: rank 3 holds no row, yet must skip (and count) like the rank with the NaN.
         cases["nonfinite_beside_an_empty_shard"] = partial(dtensor_case, (4,), [Shard(0)], nan_at=(1, 1, (0, 2)))
         cases["mesh2x2_shard0_shard1"] = partial(dtensor_case, (2, 2), [Shard(0), Shard(1)])
+        cases["mesh2x2_shard0_shard1_neuron_normalization"] = partial(dtensor_case, (2, 2), [Shard(0), Shard(1)],
+                                                                      normalization="neuron")
+        cases["nonfinite_beside_an_empty_shard_neuron_normalization"] = partial(
+            dtensor_case, (4,), [Shard(1)], nan_at=(2, 1, (0, 2)), normalization="neuron")
         cases["mesh2x2_replicate_shard0"] = partial(dtensor_case, (2, 2), [Replicate(), Shard(0)])
     return cases

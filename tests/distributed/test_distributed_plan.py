@@ -63,6 +63,10 @@ def test_nested_shards_on_one_dim_and_replicas_on_a_2d_mesh() -> None:
     replicated_rows = layout_module.sharded_layout((10, 3), (2, 2), (Replicate(), Shard(0)), GRID_2X2)
     assert [(b[0].start, b[0].stop) for b in replicated_rows.boxes] == [(0, 5), (5, 10), (0, 5), (5, 10)]
     assert replicated_rows.sources(owner=3) == [0, 3]  # the owner sends nothing it holds; rank 0 has rows 0-5
+    # Sums over ranks (a NorMuon row split between shards, the RMS rule's norm) count each replica once.
+    assert [replicated_rows.counts_once(rank) for rank in range(4)] == [True, True, False, False]
+    uneven = layout_module.sharded_layout((3, 4), (4,), (Shard(0),), tuple(range(4)))
+    assert [uneven.counts_once(rank) for rank in range(4)] == [True, True, True, False]  # rank 3 holds nothing
 
 
 def _global_indices(layout, rank: int, dim: int) -> list[int]:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import native
 from .newton_schulz import Orthogonalizer
-from .normalization import normalize, rms_rule_scale, uses_rms_rule
+from .normalization import normalize, rms_rule_scale, squares, sum_of_squares, uses_rms_rule
 from .routing import MatrixView
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rsqrt_in")
@@ -43,6 +43,16 @@ def adjusted_lr(lr: LearningRate, adjust_lr_fn: str | None, view: MatrixView,
     if adjust_lr_fn == "rsqrt_in":  # 1 / sqrt(fan_in), timm's
         return lr / math.sqrt(cols)
     return lr
+
+
+def update_step_size(lr: LearningRate, adjust_lr_fn: str | None, view: MatrixView, normalize_spatial: bool,
+                     rms_scale: Tensor | None) -> LearningRate:
+    """What a parameter's orthogonalized (and maybe normalized) update is multiplied by: lr scaled for its shape or,
+    under the RMS rule of a normalization, lr times `rms_scale`, which gives the update RMS 0.2 (adjust_lr_fn's own
+    scaling is then moot)."""
+    if rms_scale is None:
+        return adjusted_lr(lr, adjust_lr_fn, view, normalize_spatial)
+    return adjusted_lr(lr, None, view, normalize_spatial) * rms_scale
 
 
 def decay_factors(skipped: Tensor, lr: LearningRate, weight_decay: float, dtype: torch.dtype) -> Tensor:
@@ -113,7 +123,7 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
 
 def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
                 orthogonalizer: Orthogonalizer, adjust_lr_fn: str | None, normalize_spatial: bool,
-                normalization: str | None = None, normalization_beta: float = 0.95) -> None:
+                normalization: str | None, normalization_beta: float) -> None:
     """Momentum, batched Newton-Schulz per bucket, the optional second-moment normalization, decoupled weight decay
     and the scaled update."""
     for (device, _, rows, cols), bucket in _bucket(items).items():
@@ -129,19 +139,20 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
             item.nonfinite_skips.add_(was_skipped)
         if weight_decay != 0:
             torch._foreach_mul_(params, list(decay_factors(skipped, lr, weight_decay, params[0].dtype).unbind()))
-        parts = list(orthogonal.split(batches))
+        updates = [item.view.from_matrices(part, item.param.shape)
+                   for item, part in zip(bucket, orthogonal.split(batches))]
         rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
         if normalization is not None:
-            parts = normalize(parts, [item.second_moment for item in bucket], [item.update_step for item in bucket],
-                              skipped, normalization, normalization_beta, orthogonalizer.eps,
-                              bias_correction=not rms_rule)
-        for item, part in zip(bucket, parts):
-            if rms_rule:
-                step_size = -adjusted_lr(lr, None, item.view, normalize_spatial) * rms_rule_scale(
-                    part, item.view, orthogonalizer.eps)
-            else:
-                step_size = -adjusted_lr(lr, adjust_lr_fn, item.view, normalize_spatial)
-            add_scaled_(item.param, item.view.from_matrices(part, item.param.shape), step_size)
+            dtype = bucket[0].second_moment.dtype
+            updates = normalize(updates, [squares(update, item.view, normalization, dtype)
+                                          for update, item in zip(updates, bucket)],
+                                [item.second_moment for item in bucket], [item.update_step for item in bucket],
+                                skipped, [item.view for item in bucket], normalization, normalization_beta,
+                                orthogonalizer.eps, bias_correction=not rms_rule)
+        for item, update in zip(bucket, updates):
+            rms_scale = rms_rule_scale(sum_of_squares(update), item.view, orthogonalizer.eps) if rms_rule else None
+            add_scaled_(item.param, update, -update_step_size(lr, adjust_lr_fn, item.view, normalize_spatial,
+                                                              rms_scale))
 
 
 @dataclass

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .coefficients import Coefficients, resolve_coefficients
+from .distributed.dtensors import zeros_like_reduced
 from .distributed.finite import found_inf_flags
 from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, by_device, muon_update
@@ -300,7 +301,9 @@ class Muon(Optimizer):
         normalization: None, "neuron" (NorMuon: each output row of the orthogonalized update divided by the root of
             a running mean of its squares) or "element" (AdaMuon: the same per entry; timm's algo="adamuon"). The
             running mean's beta is adamw_betas[1], as timm shares it; under "match_rms_adamw" the normalized update
-            is rescaled to RMS 0.2, as both papers do. Not yet for sharded or data-parallel parameters.
+            is rescaled to RMS 0.2, as both papers do. The second moment (state "update_sq") is laid out like the
+            parameter (per row: the parameter's shape with the dims a row runs along reduced to 1) and, for a
+            DTensor, sharded like it: each rank normalizes its own shard of the update.
         normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
             (timm's option; its default is True, ours False: under "match_rms_adamw" both conv modes then give every
             entry AdamW's RMS).
@@ -456,20 +459,16 @@ class Muon(Optimizer):
         check()
 
     def _check_normalization_state(self, group: dict[str, Any]) -> None:
-        """A normalization runs on one device's parameters, and a second moment kept from an earlier run must have
-        the shape this group's normalization needs (it changes between "neuron" and "element")."""
+        """A second moment kept from an earlier run must have the shape this group's normalization needs (it changes
+        between "neuron" and "element")."""
         if group["normalization"] is None:
             return
         for param in group["params"]:
             if param.grad is None or not self._uses_muon(group, param):
                 continue
-            if is_spread(param, self.process_group):
-                raise ValueError(f"Invalid normalization: {group['normalization']!r} is not supported yet for "
-                                 f"sharded or data-parallel parameters (shape {tuple(param.shape)}); use it on one "
-                                 "device, or normalization=None")
             saved = self.state[param].get("update_sq")
             view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
-            expected = second_moment_shape(view, group["normalization"])
+            expected = second_moment_shape(param.shape, view, group["normalization"])
             if saved is not None and tuple(saved.shape) != expected:
                 raise ValueError(f"Invalid normalization: {group['normalization']!r} needs a second moment of shape "
                                  f"{expected} for the parameter of shape {tuple(param.shape)}, but its state holds "
@@ -493,8 +492,9 @@ class Muon(Optimizer):
                 item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"], view)
                 if group["normalization"] is not None:
                     if "update_sq" not in state:
-                        state["update_sq"] = torch.zeros(second_moment_shape(view, group["normalization"]),
-                                                         dtype=moment_dtype(param.dtype), device=param.device)
+                        state["update_sq"] = zeros_like_reduced(
+                            param, second_moment_shape(param.shape, view, group["normalization"]),
+                            moment_dtype(param.dtype))
                         state["update_step"] = torch.zeros((), dtype=torch.float32, device=param.device)
                     item.second_moment, item.update_step = state["update_sq"], state["update_step"]
                 muon_items.append(item)
@@ -517,9 +517,8 @@ class Muon(Optimizer):
         settings = dict(lr=_learning_rate(group["lr"]), weight_decay=_as_real(group["weight_decay"]),
                         momentum=_as_real(group["momentum"]), nesterov=group["nesterov"],
                         orthogonalizer=orthogonalizer, adjust_lr_fn=group["adjust_lr_fn"],
-                        normalize_spatial=group["normalize_spatial"])
-        if group["normalization"] is not None:  # the distributed pipeline has no second moments yet (refused earlier)
-            settings.update(normalization=group["normalization"], normalization_beta=_as_real(group["adamw_betas"][1]))
+                        normalize_spatial=group["normalize_spatial"], normalization=group["normalization"],
+                        normalization_beta=_as_real(group["adamw_betas"][1]))
         spread: list[MuonTensors] = []
         local: list[MuonTensors] = []
         for item in items:

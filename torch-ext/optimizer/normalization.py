@@ -21,11 +21,13 @@ NORMALIZATIONS: tuple[str | None, ...] = (None, "neuron", "element")
 _RMS = 0.2
 
 
-def second_moment_shape(view: MatrixView, normalization: str) -> tuple[int, ...]:
-    """The state of a parameter seen as `view`: one entry per row of each matrix, or one per entry."""
+def second_moment_shape(shape: Sequence[int], view: MatrixView, normalization: str) -> tuple[int, ...]:
+    """The state of a parameter of `shape` seen as `view`, laid out like the parameter so that it shards as the
+    parameter does: one entry per element for "element"; for "neuron", one per row, the parameter's shape with the
+    dims a row runs along reduced to 1."""
     if normalization == "neuron":
-        return (view.batch, view.rows)
-    return (view.batch, view.rows, view.cols)
+        return tuple(1 if dim in view.column_dims else size for dim, size in enumerate(shape))
+    return tuple(shape)
 
 
 def uses_rms_rule(normalization: str | None, adjust_lr_fn: str | None) -> bool:
@@ -38,32 +40,45 @@ def moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(param_dtype, torch.float32)
 
 
-def normalize(parts: Sequence[Tensor], second_moments: Sequence[Tensor], steps: Sequence[Tensor], skipped: Tensor,
-              normalization: str, beta: float, eps: float, bias_correction: bool) -> list[Tensor]:
-    """Each parameter's orthogonalized matrices (batch, rows, cols) divided by sqrt(v̂) + eps, after its second
-    moment v moved toward their squares (in place, with its step count). A skipped parameter (its `skipped` entry
-    True) has all-zero parts: its v decays by 1 and gains 0, so it and its step stay exactly as they were."""
-    dtype = second_moments[0].dtype
-    widened = [part.to(dtype) for part in parts]
-    squares = [part.square() for part in widened]
+def squares(update: Tensor, view: MatrixView, normalization: str, dtype: torch.dtype) -> Tensor:
+    """What an update (in its parameter's layout, or a shard of it) adds to its second moment, before the mean:
+    its squares, or for "neuron" their sum along each row. A shard that holds part of a row sums only its part; the
+    caller adds the other shards' sums."""
+    square = update.to(dtype).square()
     if normalization == "neuron":
-        squares = [square.mean(dim=-1) for square in squares]
+        return square.sum(dim=view.column_dims, keepdim=True)
+    return square
+
+
+def normalize(updates: Sequence[Tensor], row_squares: Sequence[Tensor], second_moments: Sequence[Tensor],
+              steps: Sequence[Tensor], skipped: Tensor, views: Sequence[MatrixView], normalization: str, beta: float,
+              eps: float, bias_correction: bool) -> list[Tensor]:
+    """Each parameter's orthogonalized update (in its layout) divided by sqrt(v̂) + eps, after its second moment v
+    moved toward the mean of `row_squares` (whole rows' sums, see `squares`), in place, with its step count. A
+    skipped parameter (its `skipped` entry True) has an all-zero update: its v decays by 1 and gains 0, so it and
+    its step stay exactly as they were."""
+    dtype = second_moments[0].dtype
+    means = list(row_squares)
+    if normalization == "neuron":
+        means = [total / view.cols for total, view in zip(row_squares, views)]
     decays = torch.full(skipped.shape, beta, dtype=dtype, device=skipped.device).masked_fill_(skipped, 1.0)
     torch._foreach_mul_(list(second_moments), list(decays.unbind()))
-    torch._foreach_add_(list(second_moments), squares, alpha=1.0 - beta)
+    torch._foreach_add_(list(second_moments), means, alpha=1.0 - beta)
     torch._foreach_add_(list(steps), list((~skipped).to(torch.float32).unbind()))
     normalized = []
-    for part, widened_part, moment, step in zip(parts, widened, second_moments, steps):
+    for update, moment, step in zip(updates, second_moments, steps):
         if bias_correction:  # clamped for a parameter every step of which was skipped: its v is 0, and 0 / eps = 0
             moment = moment / (1.0 - torch.pow(beta, step.to(dtype))).clamp(min=1.0 - beta)
-        denominator = moment.sqrt().add_(eps)
-        if normalization == "neuron":
-            denominator = denominator.unsqueeze(-1)
-        normalized.append((widened_part / denominator).to(part.dtype))
+        normalized.append((update.to(dtype) / moment.sqrt().add_(eps)).to(update.dtype))
     return normalized
 
 
-def rms_rule_scale(update: Tensor, view: MatrixView, eps: float) -> Tensor:
-    """The factor that gives one parameter's normalized update (all its matrices) RMS 0.2: 0.2 sqrt(numel) / ‖U‖."""
+def rms_rule_scale(sum_of_squares: Tensor, view: MatrixView, eps: float) -> Tensor:
+    """The factor that gives one parameter's normalized update U (all its matrices) RMS 0.2: 0.2 sqrt(numel) / ‖U‖,
+    from ‖U‖² (summed over every shard of U)."""
     numel = view.batch * view.rows * view.cols
-    return (_RMS * math.sqrt(numel)) / update.norm(dtype=moment_dtype(update.dtype)).add(eps)
+    return (_RMS * math.sqrt(numel)) / sum_of_squares.sqrt().add(eps)
+
+
+def sum_of_squares(update: Tensor) -> Tensor:
+    return update.to(moment_dtype(update.dtype)).square().sum()

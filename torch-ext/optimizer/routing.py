@@ -24,12 +24,20 @@ class MatrixView:
     """How one parameter is seen by Newton-Schulz: `batch` matrices of shape (rows, cols).
 
     `to_matrices` / `from_matrices` convert between the parameter's own layout and the (batch, rows, cols) stack.
+    In that layout, a matrix row runs along `column_dims`, and `row_dim` says which row; the other dims only say
+    which matrix.
     """
 
     batch: int
     rows: int
     cols: int
     spatial_batched: bool  # conv "batched" mode: one (out, in) matrix per kernel position
+    row_dim: int
+    column_dims: tuple[int, ...]
+
+    def batch_dims(self, ndim: int) -> tuple[int, ...]:
+        """The parameter dims that only say which of the matrices an element is in."""
+        return tuple(dim for dim in range(ndim) if dim != self.row_dim and dim not in self.column_dims)
 
     def to_matrices(self, tensor: Tensor) -> Tensor:
         if self.spatial_batched:
@@ -52,15 +60,16 @@ def matrix_view(shape: torch.Size, layout: str = "auto", conv_mode: str = "flatt
     if len(shape) < 2:
         raise ValueError(f"Muon needs a parameter with at least 2 dimensions, got shape {tuple(shape)}")
     if len(shape) == 2:
-        return MatrixView(1, shape[0], shape[1], False)
+        return MatrixView(1, shape[0], shape[1], False, 0, (1,))
     is_conv = layout == "conv" or (layout == "auto" and len(shape) >= 4)
     if not is_conv:
-        return MatrixView(int(torch.Size(shape[:-2]).numel()), shape[-2], shape[-1], False)
+        return MatrixView(int(torch.Size(shape[:-2]).numel()), shape[-2], shape[-1], False, len(shape) - 2,
+                          (len(shape) - 1,))
     out_channels, in_channels = shape[0], shape[1]
     kernel_size = int(torch.Size(shape[2:]).numel())
     if conv_mode == "batched":
-        return MatrixView(kernel_size, out_channels, in_channels, True)
-    return MatrixView(1, out_channels, in_channels * kernel_size, False)
+        return MatrixView(kernel_size, out_channels, in_channels, True, 0, (1,))
+    return MatrixView(1, out_channels, in_channels * kernel_size, False, 0, tuple(range(1, len(shape))))
 
 
 def suits_muon(shape: torch.Size, layout: str = "auto", conv_mode: str = "flatten") -> bool:

@@ -73,3 +73,9 @@ def all_reduce_min_(flags: Tensor, group: dist.ProcessGroup) -> Tensor:
     """In place: each flag becomes its minimum over the group's ranks."""
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     return flags
+
+
+def all_reduce_sum_(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """In place: each entry becomes its sum over the group's ranks."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 from torch import Tensor
 
 try:
-    from torch.distributed.tensor import DTensor, Placement, Shard
+    from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
     # FSDP2 on top of tensor parallelism shards a dim twice and labels the outer split this way; private, but
     # DTensor's own layout code treats it as a Shard kind, and so must anything that reads placements.
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # a torch built without distributed support
-    DTensor = Placement = Shard = _StridedShard = None
+    DTensor = Placement = Replicate = Shard = _StridedShard = None
 
 
 def is_dtensor(tensor: Tensor) -> bool:
@@ -35,3 +38,18 @@ def sharded_tensor_dim(placement: "Placement", ndim: int) -> int | None:
 def shard_dim(placement: "Placement") -> int | None:
     """The tensor dim a plain Shard placement splits, else None (Replicate, _StridedShard or another kind)."""
     return placement.dim if type(placement) is Shard else None
+
+
+def zeros_like_reduced(tensor: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """Zeros of `shape`: `tensor`'s shape with some dims reduced to 1, on its device. For a DTensor, a DTensor on its
+    mesh, split as `tensor` is along the dims it keeps and replicated over mesh dims that split a reduced dim."""
+    if not is_dtensor(tensor):
+        return torch.zeros(shape, dtype=dtype, device=tensor.device)
+    reduced = [dim for dim, (size, full) in enumerate(zip(shape, tensor.shape)) if size != full]
+    placements = [Replicate() if sharded_tensor_dim(placement, tensor.ndim) in reduced else placement
+                  for placement in tensor.placements]
+    local = tensor.to_local()
+    local_shape = [1 if dim in reduced else size for dim, size in enumerate(local.shape)]
+    zeros = torch.zeros(local_shape, dtype=dtype, device=local.device)
+    return DTensor.from_local(zeros, tensor.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())

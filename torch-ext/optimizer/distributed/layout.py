@@ -62,13 +62,23 @@ class ShardLayout:
         return tuple(dim for dim, size in enumerate(self.shape)
                      if any(box[dim].stop - box[dim].start != size for box in self.boxes))
 
-    def sources(self, owner: int) -> list[int]:
-        """One rank per distinct non-empty box, whose copy is sent to `owner`: the owner itself when it holds
-        that box (no transfer), else the lowest rank that does."""
-        chosen: dict[tuple[tuple[int, int], ...], int] = {}  # slices are unhashable before Python 3.12
+    def _first_holders(self) -> dict[tuple[tuple[int, int], ...], int]:
+        """The lowest rank holding each distinct non-empty box (keyed by bounds: slices are unhashable before
+        Python 3.12). Distinct boxes are disjoint and cover the tensor."""
+        chosen: dict[tuple[tuple[int, int], ...], int] = {}
         for rank, box in enumerate(self.boxes):
             if box_numel(box):
                 chosen.setdefault(_bounds(box), rank)
+        return chosen
+
+    def counts_once(self, rank: int) -> bool:
+        """Whether `rank`'s part is the one counted when every rank's parts are summed: replicas count once."""
+        return self._first_holders().get(_bounds(self.boxes[rank])) == rank
+
+    def sources(self, owner: int) -> list[int]:
+        """One rank per distinct non-empty box, whose copy is sent to `owner`: the owner itself when it holds
+        that box (no transfer), else the lowest rank that does."""
+        chosen = self._first_holders()
         if _bounds(self.boxes[owner]) in chosen:
             chosen[_bounds(self.boxes[owner])] = owner
         return sorted(chosen.values())

@@ -14,11 +14,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import native
-from ..functional import LearningRate, MuonTensors, adjusted_lr
+from ..functional import LearningRate, MuonTensors, update_step_size
 from ..newton_schulz import Orthogonalizer
+from ..normalization import uses_rms_rule
 from . import comm
 from .dtensors import local_tensor
 from .layout import ShardLayout, box_numel, box_shape
+from .normalize_shards import normalize_shards
 from .orthogonalize import apply_update, orthogonalize
 from .plan import Exchange, gather_exchange, scatter_exchange
 
@@ -39,6 +41,8 @@ class SpreadSettings:
     weight_decay: float
     adjust_lr_fn: str | None
     normalize_spatial: bool
+    normalization: str | None
+    normalization_beta: float
 
 
 @dataclass(frozen=True)
@@ -99,14 +103,34 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPi
     work, received = comm.launch_all_to_all(send, scatter, settings.group)
     yield
     comm.wait(work)
-    updates = {piece.item: _piece(received, piece.offset, piece.box) for piece in scatter.receives}
-    for j, item in enumerate(chunk):
-        mine = item.layout.boxes[settings.rank]
-        update = orthogonal[j][mine] if j in orthogonal else updates.get(j)
-        view = item.tensors.view
+    received_updates = {piece.item: _piece(received, piece.offset, piece.box) for piece in scatter.receives}
+    updates = [_my_update(j, item, orthogonal, received_updates, settings) for j, item in enumerate(chunk)]
+    rms_scales: list[Tensor | None] = [None] * len(chunk)
+    if settings.normalization is not None:
+        rms_rule = uses_rms_rule(settings.normalization, settings.adjust_lr_fn)
+        updates, scales = normalize_shards(updates, [item.tensors for item in chunk], layouts, finite.eq(0),
+                                           rank=settings.rank, group=settings.group,
+                                           normalization=settings.normalization, beta=settings.normalization_beta,
+                                           eps=settings.orthogonalizer.eps, rms_rule=rms_rule)
+        if scales is not None:
+            rms_scales = list(scales)
+    for j, (item, update, rms_scale) in enumerate(zip(chunk, updates, rms_scales)):
+        step_size = update_step_size(settings.lr, settings.adjust_lr_fn, item.tensors.view,
+                                     settings.normalize_spatial, rms_scale)
         apply_update(local_tensor(item.tensors.param), update, finite[j], item.tensors.nonfinite_skips,
-                     lr=settings.lr, weight_decay=settings.weight_decay,
-                     step_size=adjusted_lr(settings.lr, settings.adjust_lr_fn, view, settings.normalize_spatial))
+                     lr=settings.lr, weight_decay=settings.weight_decay, step_size=step_size)
+
+
+def _my_update(j: int, item: SpreadItem, orthogonal: dict[int, Tensor], received: dict[int, Tensor],
+               settings: SpreadSettings) -> Tensor:
+    """This rank's shard of item j's orthogonalized update: its own result's part if it owns the item, else what
+    the owner sent (nothing, for an empty shard)."""
+    mine = item.layout.boxes[settings.rank]
+    if j in orthogonal:
+        return orthogonal[j][mine]
+    if j in received:
+        return received[j]
+    return torch.empty(box_shape(mine), dtype=settings.comm_dtype, device=item.grad.device)
 
 
 def _piece(buffer: Tensor, offset: int, box: tuple[slice, ...]) -> Tensor:

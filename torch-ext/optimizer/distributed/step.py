@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..functional import LearningRate, MuonTensors, muon_update
 from ..newton_schulz import Orthogonalizer
-from ..routing import MatrixView
+from ..normalization import uses_rms_rule
 from . import comm
 from .assignment import assign_owners, by_decreasing_cost, newton_schulz_cost
 from .dtensors import is_dtensor, is_shard, local_tensor
@@ -35,22 +35,26 @@ def is_spread(param: Tensor, process_group: dist.ProcessGroup | None) -> bool:
 def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist.ProcessGroup | None,
                             comm_dtype: torch.dtype, chunk_size: int | None, lr: LearningRate, weight_decay: float,
                             momentum: float, nesterov: bool, orthogonalizer: Orthogonalizer,
-                            adjust_lr_fn: str | None, normalize_spatial: bool) -> None:
+                            adjust_lr_fn: str | None, normalize_spatial: bool, normalization: str | None,
+                            normalization_beta: float) -> None:
     """Muon's update for parameters spread over ranks, with the single-device result (up to `comm_dtype`
     rounding). DTensors run over the mesh dims that shard them (see `comm.spread_mesh_dims`), plain tensors over
     `process_group`. Parameters whose every rank holds whole matrices (expert banks sharded on the expert dim)
-    are orthogonalized where they are, with no transfer. Every rank of those groups must call this with the same
-    parameters in the same order."""
+    are orthogonalized where they are, with no transfer, unless the RMS rule of a normalization needs the norm of
+    the whole update. Every rank of those groups must call this with the same parameters in the same order."""
+    rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
     for (group, dims), group_items in _by_group(items, process_group).items():
         rank, world = comm.rank_and_world(group)
         layouts = [_layout(item.param, group, dims, world) for item in group_items]
         grads, everywhere = _agreed_local_grads(group_items, layouts, group)
-        in_place = [_holds_whole_matrices(item, layout) for item, layout in zip(group_items, layouts)]
+        in_place = [_holds_whole_matrices(item, layout) and not rms_rule
+                    for item, layout in zip(group_items, layouts)]
         _update_in_place([(item, grad, flag) for item, grad, flag, local in
                           zip(group_items, grads, everywhere.unbind(), in_place) if local],
                          lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          orthogonalizer=orthogonalizer, adjust_lr_fn=adjust_lr_fn,
-                         normalize_spatial=normalize_spatial)
+                         normalize_spatial=normalize_spatial, normalization=normalization,
+                         normalization_beta=normalization_beta)
         spread = [SpreadItem(item, layout, 0, grad, flag) for item, layout, grad, flag, local in
                   zip(group_items, layouts, grads, everywhere.unbind(), in_place) if not local]
         if not spread:
@@ -60,7 +64,7 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         ordered = [spread[i] for i in by_decreasing_cost(costs)]
         size = chunk_size or _MATRICES_PER_RANK_PER_CHUNK * world
         settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
-                                  adjust_lr_fn, normalize_spatial)
+                                  adjust_lr_fn, normalize_spatial, normalization, normalization_beta)
         run_staggered(chunk_pipeline(ordered[start:start + size], settings)
                       for start in range(0, len(ordered), size))
 
@@ -95,19 +99,10 @@ def _layout(param: Tensor, group: dist.ProcessGroup, dims: tuple[int, ...], worl
                           tuple(param.placements[i] for i in dims), comm.spread_group_ranks(mesh, dims, group))
 
 
-def _matrix_batch_dims(view: MatrixView, shape: tuple[int, ...]) -> range:
-    """The parameter dims that only say which of the view's matrices an element is in."""
-    if view.spatial_batched:  # (out, in, *kernel): one matrix per kernel position
-        return range(2, len(shape))
-    if shape[-2:] == (view.rows, view.cols):  # (*batch, rows, cols), e.g. an expert bank (E, out, in)
-        return range(len(shape) - 2)
-    return range(0)  # a flattened conv weight: every dim reaches into the one matrix
-
-
 def _holds_whole_matrices(item: MuonTensors, layout: ShardLayout) -> bool:
     """Whether the parameter is split, but only between whole matrices (an expert bank sharded on its expert
     dim): then each rank can orthogonalize its own matrices, exactly as one device would, without transfers."""
-    batch_dims = _matrix_batch_dims(item.view, layout.shape)
+    batch_dims = item.view.batch_dims(len(layout.shape))
     return layout.is_sharded and all(dim in batch_dims for dim in layout.split_dims)
 
 
@@ -133,11 +128,15 @@ def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], **sett
     local_items = []
     for item, grad, flag in items:
         param = local_tensor(item.param)
-        if param.numel() == 0:  # no matrices here, but the skip count must agree with the other ranks'
+        if param.numel() == 0:  # no matrices here, but the step counts must agree with the other ranks'
             item.nonfinite_skips.add_(flag.eq(0))
+            if item.update_step is not None:
+                item.update_step.add_(flag)
             continue
         view = replace(item.view, batch=param.numel() // (item.view.rows * item.view.cols))
-        local_items.append(MuonTensors(param, grad, local_tensor(item.momentum_buffer), item.nonfinite_skips, view))
+        second_moment = None if item.second_moment is None else local_tensor(item.second_moment)
+        local_items.append(MuonTensors(param, grad, local_tensor(item.momentum_buffer), item.nonfinite_skips, view,
+                                       second_moment, item.update_step))
     if local_items:
         muon_update(local_items, **settings)
 
