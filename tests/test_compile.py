@@ -1,6 +1,7 @@
 """torch.compile traces the optimizer: zeropower and a Muon step compile to one graph (no break in the
 Newton-Schulz loop, the compiled symmetric op included) and give the eager result; with AdamW parameters the only
-break is the AdamW part, which runs torch's fused kernel eagerly as torch does; a compiled model trains with it."""
+break is the AdamW part, which runs torch's fused kernel eagerly as torch does; a capturable step has no host read
+(and, on a GPU, replays as a CUDA graph); a compiled model trains with it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def fresh_compile_state() -> None:
 def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for param in params:
-        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+        param.grad = torch.randn(param.shape, generator=generator).to(param)  # its dtype and device
 
 
 def assert_steps_match(step, eager: "optimizer.Muon", params: list[torch.Tensor],
@@ -80,6 +81,21 @@ def test_with_adamw_parameters_the_only_break_is_the_eager_adamw_update() -> Non
     assert_steps_match(torch.compile(opt.step), eager, params_again, eager_params)
 
 
+SCHEDULE = (0.02, 0.01, 0.005, 0.001)
+
+
+def scheduled_lr(lr: torch.Tensor, eager: "optimizer.Muon") -> Callable[[int], ContextManager]:
+    """Moves the compiled step's tensor lr and the eager twin's float lr along SCHEDULE; from the third step on a
+    recompile is an error (the first step creates the state, which the second step's graph differs by)."""
+    @contextlib.contextmanager
+    def scheduled(seed: int) -> Iterator[None]:
+        lr.fill_(SCHEDULE[seed])
+        eager.param_groups[0]["lr"] = SCHEDULE[seed]
+        with torch._dynamo.config.patch(error_on_recompile=seed >= 2):
+            yield
+    return scheduled
+
+
 @pytest.mark.parametrize("with_adamw", [False, True])
 def test_a_tensor_lr_is_traced_so_a_schedule_moving_it_does_not_recompile(with_adamw: bool) -> None:
     fresh_compile_state()
@@ -88,18 +104,45 @@ def test_a_tensor_lr_is_traced_so_a_schedule_moving_it_does_not_recompile(with_a
     eager_params = [param.clone() for param in params]
     lr = torch.tensor(0.02)
     opt, eager = optimizer.Muon(params, lr=lr), optimizer.Muon(eager_params, lr=0.02)
-    schedule = (0.02, 0.01, 0.005, 0.001)
-
-    @contextlib.contextmanager
-    def scheduled(seed: int) -> Iterator[None]:
-        lr.fill_(schedule[seed])
-        eager.param_groups[0]["lr"] = schedule[seed]
-        # The first step creates the state, which the second step's graph differs by; after that, only lr moves.
-        with torch._dynamo.config.patch(error_on_recompile=seed >= 2):
-            yield
-
     step = torch.compile(opt.step, fullgraph=not with_adamw)  # the AdamW part runs eagerly
-    assert_steps_match(step, eager, params, eager_params, len(schedule), scheduled)
+    assert_steps_match(step, eager, params, eager_params, len(SCHEDULE), scheduled_lr(lr, eager))
+
+
+@pytest.mark.parametrize("normalization", [None, "neuron", "element"])
+def test_a_capturable_step_is_one_graph_with_no_host_read(normalization: str | None) -> None:
+    """capturable=True (timm's and torch's option for CUDA-graph capture): the whole step, a normalization's second
+    moments and the RMS rule included, traces into one graph with no host read of a tensor value (fullgraph: an
+    .item() or a branch on a tensor would break it), and a moving tensor lr does not recompile it."""
+    fresh_compile_state()
+    shapes = [(24, 16), (3, 8, 12), (ROWS, 16)]
+    # float64: AdaMuon's first update is sign(O) (v = O² then), so in float32 an entry of O within rounding of zero
+    # may take either sign in the compiled and the eager step (seen: 1 of 8320 entries).
+    params = [torch.randn(shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+              for i, shape in enumerate(shapes)]
+    eager_params = [param.clone() for param in params]
+    lr = torch.tensor(0.02)
+    options = dict(normalization=normalization, ns_dtype=torch.float64)
+    opt = optimizer.Muon(params, lr=lr, capturable=True, **options)
+    eager = optimizer.Muon(eager_params, lr=0.02, **options)
+    step = torch.compile(opt.step, fullgraph=True)
+    assert_steps_match(step, eager, params, eager_params, len(SCHEDULE), scheduled_lr(lr, eager))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_capturable_step_replays_as_a_cuda_graph() -> None:
+    """mode="reduce-overhead" records the step as a CUDA graph and replays it: with capturable=True the replays
+    (with AdamW parameters too: its eager part is outside the graph) match the eager step as lr moves."""
+    fresh_compile_state()
+    shapes = [(64, 48), (3, 16, 24), (48,)]
+    params = [torch.randn(shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64).cuda()
+              for i, shape in enumerate(shapes)]
+    eager_params = [param.clone() for param in params]
+    lr = torch.tensor(0.02, device="cuda")
+    options = dict(normalization="neuron", ns_dtype=torch.float64)
+    opt = optimizer.Muon(params, lr=lr, capturable=True, **options)
+    eager = optimizer.Muon(eager_params, lr=0.02, **options)
+    step = torch.compile(opt.step, mode="reduce-overhead")
+    assert_steps_match(step, eager, params, eager_params, len(SCHEDULE), scheduled_lr(lr, eager))
 
 
 def test_a_compiled_model_trains_with_muon() -> None:
