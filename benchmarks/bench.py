@@ -304,20 +304,26 @@ def _step_params(device: torch.device, matrix_shapes: list[tuple[int, int]], vec
     return matrices, adamw
 
 
-def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:
-    """One optimizer step, ours (defaults) vs torch.optim.Muon (its Newton-Schulz in `torch_dtype`) + fused AdamW, on
-    GPT-2 small's hidden matrices with its vectors and token embedding going to AdamW (as muon_param_groups sends
-    them) and, on GPUs, on one Llama-3-8B layer; then the AdamW-routed parameters alone against fused AdamW."""
+def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> tuple[list[Row], list[str]]:
+    """One optimizer step, ours (defaults; NorMuon, AdaMuon, bfloat16 state) vs torch.optim.Muon (its Newton-Schulz
+    in `torch_dtype`) + fused AdamW, on GPT-2 small's hidden matrices with its vectors and token embedding going to
+    AdamW (as muon_param_groups sends them) and, on GPUs, on one Llama-3-8B layer; then the AdamW-routed parameters
+    alone against fused AdamW. The notes give each optimizer's state bytes per parameter."""
     shape_sets = [("GPT-2 small", GPT2_SMALL_BLOCK, GPT2_SMALL_VECTORS, GPT2_BLOCKS, [GPT2_EMBEDDING])]
     if device.type == "cuda":
         shape_sets.append(("Llama-3-8B layer", LLAMA3_8B_LAYER, LLAMA3_8B_VECTORS, 1, []))
-    rows = []
+    rows, notes = [], []
     for name, matrix_shapes, vector_sizes, copies, embeddings in shape_sets:
         matrices, vectors = _step_params(device, matrix_shapes, vector_sizes, copies, embeddings)
         flop = sum(newton_schulz_flop(*shape, 5) for shape in matrix_shapes) * copies
         theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
                   torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
-        ours = optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02)
+        groups = [dict(params=matrices), dict(params=vectors, use_muon=False)]
+        ours = optimizer.Muon(groups, lr=0.02)
+        variants = {"normalization='neuron' (NorMuon)": optimizer.Muon(groups, lr=0.02, normalization="neuron"),
+                    "normalization='element' (AdaMuon)": optimizer.Muon(groups, lr=0.02, normalization="element"),
+                    "state_dtype=torch.bfloat16": optimizer.Muon(groups, lr=0.02, state_dtype=torch.bfloat16),
+                    "state_dtype='int8'": optimizer.Muon(groups, lr=0.02, state_dtype="int8")}
         compiled_step = torch.compile(ours.step)
         compiled_step()  # compiles twice: before and after the step that creates the optimizer state
 
@@ -326,12 +332,19 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
                 for opt in theirs:
                     opt.step()
 
-        baseline, eager, compiled = paired_medians_ms([torch_step, ours.step, compiled_step], device, repeats)
+        baseline, eager, compiled, *variant_ms = paired_medians_ms(
+            [torch_step, ours.step, compiled_step, *(opt.step for opt in variants.values())], device, repeats)
         case = f"{name}, {len(matrices)} matrices + {len(vectors)} AdamW tensors"
         rows += [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + "
                      "fused AdamW", baseline, flop, baseline),
                  Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline),
                  Row("Muon.step", case, "torch.compile(optimizer.Muon.step)", compiled, flop, baseline)]
+        rows += [Row("Muon.step", case, f"optimizer.Muon, {label}", ms, flop, baseline)
+                 for label, ms in zip(variants, variant_ms)]
+        numel = sum(p.numel() for p in matrices + vectors)
+        notes += [f"{name}: optimizer state per parameter: {label} {state_bytes(opt) / numel:.2f} bytes"
+                  for label, opt in {"torch.optim.Muon + AdamW": theirs, "optimizer.Muon (defaults)": [ours],
+                                     **{f"optimizer.Muon, {key}": [opt] for key, opt in variants.items()}}.items()]
         adamw_case = f"{name}, its {len(vectors)} AdamW tensors alone"
         fused = torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)
         ours_adamw = optimizer.Muon([dict(params=vectors, use_muon=False)], lr=0.02)
@@ -339,7 +352,13 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         rows += [Row("AdamW part", adamw_case, "torch.optim.AdamW(fused=True)", adamw_baseline, 0.0, adamw_baseline),
                  Row("AdamW part", adamw_case, "optimizer.Muon (non-finite guard included)", adamw_ours, 0.0,
                      adamw_baseline)]
-    return rows
+    return rows, notes
+
+
+def state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of every tensor the optimizers keep as state (counters included)."""
+    return sum(value.numel() * value.element_size() for opt in optimizers for state in opt.state.values()
+               for value in state.values() if isinstance(value, torch.Tensor))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -620,7 +639,9 @@ def main() -> None:
             rows += bench_zeropower(optimizer, device, ns_dtypes, torch_dtype, ns_shapes, args.repeats,
                                     compiled_reference=True)
     if "step" in sections:
-        rows += bench_step(optimizer, device, torch_dtype, max(3, args.repeats // 2))
+        step_rows, step_notes = bench_step(optimizer, device, torch_dtype, max(3, args.repeats // 2))
+        rows += step_rows
+        notes += step_notes
     if "dist" in sections:
         dist_rows, dist_notes = bench_dist(optimizer, args.dist_blocks, max(3, args.repeats // 2))
         rows += dist_rows

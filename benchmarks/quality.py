@@ -40,6 +40,8 @@ VARIANTS: dict[str, dict | None] = {
     "muon-aol": {"preconditioner": "aol", "ns_steps": 4},
     "normuon": {"normalization": "neuron"},
     "adamuon": {"normalization": "element"},
+    "muon-bf16-state": {"state_dtype": torch.bfloat16},
+    "muon-int8-state": {"state_dtype": "int8"},
 }
 
 

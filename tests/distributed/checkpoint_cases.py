@@ -14,14 +14,27 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
-from distributed_cases import FP32_ATOL, OPTIONS, Muon, assert_matches
+from distributed_cases import FP32_ATOL, OPTIONS, TRAINED_BF16_ATOL, Muon, assert_matches
 from spawning import shared_dir
 
 STEPS_BEFORE_SAVE = 2
 STEPS_AFTER_LOAD = 2
 GLOBAL_BATCH = 8  # divides over 1, 2 and 4 ranks: each rank's mean loss averages to the global mean
-NORMALIZATIONS = (None, "neuron")
+# Each variant's extra options and its tolerance against the uninterrupted run. bfloat16 and 8-bit state are rounded
+# with random bits drawn per entry of the whole tensor, so the sharded, resharded and single-device runs store the
+# same moments, but for an entry that straddles a rounding threshold: FSDP's gradients are averaged in another order
+# than one device's, so such an entry may round the other way (we measured no such entry here; the tolerance allows
+# for one on another machine). The reload itself is checked bit for bit.
+VARIANTS: dict[str, tuple[dict, float]] = {
+    "": ({}, FP32_ATOL),
+    "_neuron_normalization": (dict(normalization="neuron"), FP32_ATOL),
+    "_bf16_state": (dict(state_dtype=torch.bfloat16), TRAINED_BF16_ATOL),
+    "_int8_state": (dict(state_dtype="int8"), TRAINED_BF16_ATOL),
+}
+# The dtypes each variant's moments are saved in ("int8" keeps the biases' moments in bfloat16).
+SAVED_DTYPES = {"_bf16_state": {torch.bfloat16}, "_int8_state": {torch.int8, torch.bfloat16}}
 
 
 def _model(seed: int) -> nn.Module:
@@ -46,67 +59,88 @@ def _train(model: nn.Module, optimizer: Muon, steps: range, rank: int, world: in
         optimizer.zero_grad()
 
 
-def _uninterrupted(steps: int, normalization: str | None) -> nn.Module:
+def _uninterrupted(steps: int, variant: str) -> nn.Module:
     """The truth: one device, the whole batch, no checkpoint."""
     model = _model(seed=0)
-    _train(model, Muon(model.parameters(), **OPTIONS, normalization=normalization), range(steps), rank=0, world=1)
+    _train(model, Muon(model.parameters(), **OPTIONS, **VARIANTS[variant][0]), range(steps), rank=0, world=1)
     return model
 
 
-def _checkpoint_path(normalization: str | None) -> str:
-    return str(shared_dir() / f"muon_checkpoint_{normalization}")
+def _checkpoint_path(variant: str) -> str:
+    return str(shared_dir() / f"muon_checkpoint{variant}")
 
 
-def save_case(normalization: str | None) -> None:
+def _optimizer(model: nn.Module, variant: str) -> Muon:
+    return Muon(model.parameters(), **OPTIONS, comm_dtype=torch.float32, **VARIANTS[variant][0])
+
+
+def save_case(variant: str) -> None:
     """Trains on 4 ranks, saves, trains on without a restart (matching the uninterrupted run as a baseline)."""
     model = _sharded(_model(seed=0))
-    optimizer = Muon(model.parameters(), **OPTIONS, comm_dtype=torch.float32, normalization=normalization)
+    optimizer = _optimizer(model, variant)
     rank, world = dist.get_rank(), dist.get_world_size()
     _train(model, optimizer, range(STEPS_BEFORE_SAVE), rank, world)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    momentum = [state["momentum_buffer"] for state in optimizer_state["state"].values() if "momentum_buffer" in state]
+    states = list(optimizer_state["state"].values())
+    momentum = [state["momentum_buffer"] for state in states if "momentum_buffer" in state]
     assert momentum and all(hasattr(buffer, "placements") for buffer in momentum)  # saved as DTensors
-    moments = [state["update_sq"] for state in optimizer_state["state"].values() if "update_sq" in state]
-    assert len(moments) == (len(momentum) if normalization else 0)
+    moments = [state["update_sq"] for state in states if "update_sq" in state]
+    assert len(moments) == (len(momentum) if "normalization" in VARIANTS[variant][0] else 0)
     assert all(hasattr(moment, "placements") for moment in moments)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=_checkpoint_path(normalization))
+    saved_dtypes = {state[key].dtype for state in states for key in ("momentum_buffer", "exp_avg") if key in state}
+    assert saved_dtypes == SAVED_DTYPES.get(variant, {torch.float32})  # saved as what they are
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=_checkpoint_path(variant))
+    saved = _whole_state(optimizer_state)  # every rank takes part in gathering the shards
+    if rank == 0:
+        torch.save(saved, f"{_checkpoint_path(variant)}.whole.pt")
     _train(model, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD), rank, world)
-    _assert_matches_uninterrupted(model, normalization)
+    _assert_matches_uninterrupted(model, variant)
 
 
-def _assert_matches_uninterrupted(model: nn.Module, normalization: str | None) -> None:
-    truth = _uninterrupted(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD, normalization)
-    assert_matches(list(model.parameters()), list(truth.parameters()), FP32_ATOL)
+def _whole_state(optimizer_state: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's state tensors, whole (gathered from the shards)."""
+    return {name: {key: (value.full_tensor() if isinstance(value, DTensor) else value).clone()
+                   for key, value in state.items() if isinstance(value, torch.Tensor)}
+            for name, state in optimizer_state["state"].items()}
 
 
-def load_and_continue(model: nn.Module, rank: int, world: int, normalization: str | None) -> None:
+def _assert_matches_uninterrupted(model: nn.Module, variant: str) -> None:
+    truth = _uninterrupted(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD, variant)
+    assert_matches(list(model.parameters()), list(truth.parameters()), VARIANTS[variant][1])
+
+
+def load_and_continue(model: nn.Module, rank: int, world: int, variant: str) -> None:
     """Loads the 4-rank checkpoint into `model` (another seed: only the checkpoint can make it right) and a fresh
     Muon, trains on, and compares with the uninterrupted run."""
-    optimizer = Muon(model.parameters(), **OPTIONS, comm_dtype=torch.float32, normalization=normalization)
+    optimizer = _optimizer(model, variant)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=_checkpoint_path(normalization))
+    dcp.load(state, checkpoint_id=_checkpoint_path(variant))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    # Loaded bit for bit, in the dtypes saved (8-bit codes and their scales, bfloat16 moments, counts).
+    loaded = _whole_state(get_state_dict(model, optimizer)[1])
+    saved = torch.load(f"{_checkpoint_path(variant)}.whole.pt")
+    assert loaded.keys() == saved.keys()
+    for name, entries in saved.items():
+        assert loaded[name].keys() == entries.keys(), name
+        for key, value in entries.items():
+            assert loaded[name][key].dtype == value.dtype and torch.equal(loaded[name][key], value), (name, key)
     _train(model, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD), rank, world)
-    _assert_matches_uninterrupted(model, normalization)
+    _assert_matches_uninterrupted(model, variant)
 
 
-def load_case(normalization: str | None) -> None:
-    load_and_continue(_sharded(_model(seed=1)), dist.get_rank(), dist.get_world_size(), normalization)
+def load_case(variant: str) -> None:
+    load_and_continue(_sharded(_model(seed=1)), dist.get_rank(), dist.get_world_size(), variant)
 
 
-def load_on_one_process(normalization: str | None) -> None:
+def load_on_one_process(variant: str) -> None:
     """No process group at all: plain tensors, single-device Muon."""
-    load_and_continue(_model(seed=1), rank=0, world=1, normalization=normalization)
-
-
-def case_suffix(normalization: str | None) -> str:
-    return "" if normalization is None else f"_{normalization}_normalization"
+    load_and_continue(_model(seed=1), rank=0, world=1, variant=variant)
 
 
 def cases_for(world: int) -> dict:
     if world == 4:
-        return {f"checkpoint_save_on_4_ranks{case_suffix(n)}": partial(save_case, n) for n in NORMALIZATIONS}
+        return {f"checkpoint_save_on_4_ranks{variant}": partial(save_case, variant) for variant in VARIANTS}
     if world == 2:
-        return {f"checkpoint_load_on_2_ranks{case_suffix(n)}": partial(load_case, n) for n in NORMALIZATIONS}
+        return {f"checkpoint_load_on_2_ranks{variant}": partial(load_case, variant) for variant in VARIANTS}
     return {}

@@ -40,12 +40,10 @@ def test_distributed_case(world: int, name: str, tmp_path_factory: pytest.TempPa
     assert outcome == "ok", outcome
 
 
-@pytest.mark.parametrize("normalization", checkpoint_cases.NORMALIZATIONS)
-def test_checkpoint_of_4_ranks_loads_on_one_process(normalization: str | None,
-                                                    tmp_path_factory: pytest.TempPathFactory, shared: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    saved = _outcome(4, f"checkpoint_save_on_4_ranks{checkpoint_cases.case_suffix(normalization)}", tmp_path_factory,
-                     shared)
+@pytest.mark.parametrize("variant", checkpoint_cases.VARIANTS)
+def test_checkpoint_of_4_ranks_loads_on_one_process(variant: str, tmp_path_factory: pytest.TempPathFactory,
+                                                    shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = _outcome(4, f"checkpoint_save_on_4_ranks{variant}", tmp_path_factory, shared)
     assert saved == "ok", "no checkpoint was saved"
     monkeypatch.setenv("DISTRIBUTED_CASES_SHARED_DIR", str(shared))
-    checkpoint_cases.load_on_one_process(normalization)
+    checkpoint_cases.load_on_one_process(variant)

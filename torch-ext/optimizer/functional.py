@@ -19,6 +19,7 @@ from . import native
 from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, squares, sum_of_squares, uses_rms_rule
 from .routing import MatrixView
+from .state_precision import store_, working_copy
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rsqrt_in")
 
@@ -88,6 +89,33 @@ class MuonTensors:
     # With a `normalization`: the second moment of the orthogonalized update (see `moment_dtype`) and its step count.
     second_moment: Tensor | None = None
     update_step: Tensor | None = None
+    # With a `state_dtype`: the count of stochastically rounded writes of the momentum (see `state_precision`), and
+    # with "int8" the momentum's block scales.
+    rounding_count: Tensor | None = None
+    momentum_scales: Tensor | None = None
+    # A shard's entries' indices in the whole tensor, which the rounding draws on (None: the tensor is whole).
+    rounding_positions: Tensor | None = None
+
+
+def momentum_step_(buffers: Sequence[Tensor], grads: Sequence[Tensor], outputs: Sequence[Tensor], beta: float,
+                   nesterov: bool, rounding_counts: Sequence[Tensor | None], scales: Sequence[Tensor | None],
+                   positions: Sequence[Tensor | None], agreed: Tensor | None = None) -> Tensor:
+    """`native.muon_momentum_`, where a buffer with a rounding count (a `state_dtype`; with "int8", its block scales
+    too) is stepped as a float32 working copy and stored back stochastically rounded. Returns the finite flags
+    (float32 0.0/1.0), times `agreed` where given (the flags of the other ranks holding the same matrices); a count
+    moves only where the final flag is 1."""
+    rounded = [i for i, count in enumerate(rounding_counts) if count is not None]
+    work_buffers, work_grads = list(buffers), list(grads)
+    for i in rounded:
+        work_buffers[i], work_grads[i] = working_copy("momentum_buffer", buffers[i], scales[i]), grads[i].float()
+    finite = native.muon_momentum_(work_buffers, work_grads, list(outputs), beta, nesterov)
+    if agreed is not None:
+        finite = finite * agreed  # products of 0.0 and 1.0: exact
+    if rounded:
+        store_(["momentum_buffer"] * len(rounded), [buffers[i] for i in rounded], [scales[i] for i in rounded],
+               [work_buffers[i] for i in rounded], [rounding_counts[i] for i in rounded], finite[rounded],
+               [positions[i] for i in rounded])
+    return finite
 
 
 def _bucket(items: Sequence[MuonTensors]) -> dict[tuple, list[MuonTensors]]:
@@ -113,9 +141,9 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
             outputs.append(temp)
         else:
             outputs.append(target.view(item.param.shape))
-    finite = native.muon_momentum_(
-        [item.momentum_buffer for item in bucket], [item.grad.contiguous() for item in bucket], outputs,
-        beta, nesterov)
+    finite = momentum_step_([item.momentum_buffer for item in bucket], [item.grad.contiguous() for item in bucket],
+                            outputs, beta, nesterov, [item.rounding_count for item in bucket],
+                            [item.momentum_scales for item in bucket], [item.rounding_positions for item in bucket])
     for target, temp, view in scattered:
         target.copy_(view.to_matrices(temp))
     return finite
@@ -165,6 +193,11 @@ class AdamWTensors:
     exp_avg_sq: Tensor
     step: Tensor
     nonfinite_skips: Tensor
+    # With a `state_dtype`: the moments are stored stochastically rounded; with "int8", as codes and block scales.
+    rounding_count: Tensor | None = None
+    exp_avg_scales: Tensor | None = None
+    exp_avg_sq_scales: Tensor | None = None
+    rounding_positions: Tensor | None = None  # as MuonTensors'
 
 
 def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: LearningRate,
@@ -195,16 +228,35 @@ def by_device(items: Sequence[AdamWTensors]) -> dict[torch.device, list[AdamWTen
     return groups
 
 
+_ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
 def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor, *, lr: LearningRate, betas: tuple[float, float],
                       eps: float, weight_decay: float) -> None:
     # torch's CPU fused AdamW walks every tensor as if it were contiguous: on a strided view (a column, a transposed
     # weight) it computes a wrong update and writes beside the view. So it gets contiguous tensors, and what was a
-    # copy goes back.
+    # copy goes back. Stochastically rounded moments are stepped as float32 copies (the kernel wants one dtype for
+    # all its tensors: the parameter and gradient then too) and stored back rounded.
     written = [item.param, item.exp_avg, item.exp_avg_sq]
-    contiguous = [tensor if tensor.is_contiguous() else tensor.contiguous() for tensor in written]
-    torch._fused_adamw_([contiguous[0]], [item.grad.contiguous()], [contiguous[1]], [contiguous[2]], [], [item.step],
-                        lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False,
-                        maximize=False, found_inf=found_inf)
-    for original, result in zip(written, contiguous):
+    rounded = item.rounding_count is not None
+    scales = [item.exp_avg_scales, item.exp_avg_sq_scales]
+    work = [(tensor.float() if rounded else tensor).contiguous() for tensor in written]
+    if rounded:
+        work[1:] = [working_copy(key, moment, scale)
+                    for key, moment, scale in zip(_ADAMW_MOMENTS, written[1:], scales)]
+        if item.exp_avg_sq_scales is not None:
+            # An 8-bit second moment far below its block's largest rounds to 0 now and then, and a first moment
+            # that did not would then step by m / eps. In exact arithmetic v is 0 only after gradients of 0, and
+            # then m is 0 too: so it is made.
+            work[1].masked_fill_(work[2] == 0, 0.0)
+    grad = item.grad.to(work[0].dtype).contiguous()
+    torch._fused_adamw_([work[0]], [grad], [work[1]], [work[2]], [], [item.step], lr=lr, beta1=betas[0],
+                        beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+                        found_inf=found_inf)
+    if rounded:
+        store_(_ADAMW_MOMENTS, written[1:], scales, work[1:], [item.rounding_count] * 2,
+               1.0 - found_inf.expand(2), [item.rounding_positions] * 2)  # the count moves once
+        written, work = written[:1], work[:1]
+    for original, result in zip(written, work):
         if result is not original:
             original.copy_(result)

@@ -7,6 +7,7 @@ import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import replace
 from itertools import chain
 from typing import Any
 
@@ -15,8 +16,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .coefficients import Coefficients, resolve_coefficients
-from .distributed.dtensors import zeros_like_reduced
+from .distributed.dtensors import local_tensor, placed_like, splits_last_dim, zeros_like_resized
 from .distributed.finite import found_inf_flags
+from .distributed.layout import shard_positions
 from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, by_device, muon_update
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
@@ -24,6 +26,8 @@ from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
+from .state_precision import (MOMENT_KEYS, STATE_DTYPES, is_quantized, rounds_stochastically, scale_key, scales_shape,
+                              store_, stored_dtype, working_copy)
 
 # What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
 # belongs to its process and cannot be saved, so the copy's step asks for one instead of running single-device.
@@ -35,8 +39,8 @@ logger = logging.getLogger(__name__)
 # dtype, which would turn a step count or a float32 second moment into bf16 for a bf16 parameter).
 _EXACT_STATE_DTYPES: dict[str, Callable[[torch.dtype], torch.dtype]] = {
     "step": lambda _: torch.float32, "update_step": lambda _: torch.float32, "update_sq": moment_dtype,
-    "nonfinite_skips": lambda _: torch.int64}
-_SCALAR_STATE_KEYS = ("step", "update_step", "nonfinite_skips")
+    "nonfinite_skips": lambda _: torch.int64, "rounding_count": lambda _: torch.int64}
+_SCALAR_STATE_KEYS = ("step", "update_step", "nonfinite_skips", "rounding_count")
 
 
 def _is_real_scalar(value: Tensor) -> bool:
@@ -195,6 +199,7 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     _check_choice("ns_algorithm", group["ns_algorithm"], NS_ALGORITHMS)
     _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
     _check_choice("normalization", group["normalization"], NORMALIZATIONS)
+    _check_choice("state_dtype", group["state_dtype"], STATE_DTYPES)
     try:
         check_safety_factor(_as_real(group["safety_factor"]))
     except ValueError:
@@ -216,7 +221,8 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
 
 # Per-element state has the parameter's shape; counters are scalars. Anything else would make the fused kernels read
 # and write outside the parameter's memory, so a checkpoint that disagrees is refused before it is loaded.
-_ELEMENTWISE_STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+_SCALE_STATE_KEYS = tuple(scale_key(key) for key in MOMENT_KEYS)
+_MOMENT_STATE_KEYS = (*MOMENT_KEYS, *_SCALE_STATE_KEYS)
 _ADAMW_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # created together, so saved together
 
 
@@ -232,8 +238,10 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
             raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has AdamW state {adamw_keys} without "
                              f"{missing}")
         for key, value in saved.items():
-            if key in _ELEMENTWISE_STATE_KEYS:
+            if key in MOMENT_KEYS:
                 expected = param.shape
+            elif key in _SCALE_STATE_KEYS:
+                expected = torch.Size(scales_shape(param.shape))
             elif key in _SCALAR_STATE_KEYS:
                 expected = torch.Size()
             else:
@@ -243,6 +251,49 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
                 raise ValueError(f"Invalid state_dict: state {key!r} of parameter {saved_id!r} is {shape}, expected "
                                  f"a tensor of shape {tuple(expected)} (the parameter it loads into has shape "
                                  f"{tuple(param.shape)})")
+
+
+def _moment_form(param: Tensor, state_dtype: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
+    """The dtype a parameter's moments are stored in, and whether as 8-bit codes with block scales. "int8" applies to
+    tensors of 2 or more dims whose last dim each rank holds whole; vectors, scalars and shards of a split last dim
+    keep bfloat16 (a vector's bytes are few, and blocks cut by a shard boundary would not survive a reshard)."""
+    if is_quantized(state_dtype) and (param.dim() < 2 or splits_last_dim(param)):
+        state_dtype = torch.bfloat16
+    return stored_dtype(param.dtype, state_dtype), is_quantized(state_dtype)
+
+
+def _keep_moments(state: dict[str, Any], param: Tensor, keys: tuple[str, ...], form: tuple[torch.dtype, bool],
+                  rounding_count: Tensor | None) -> None:
+    """The moments `keys` in `form` (see `_moment_form`): created as zeros, or converted from another form (the
+    group's state_dtype was changed, or a checkpoint saved under another one or another sharding was loaded)."""
+    dtype, quantized = form
+    for key in keys:
+        if key in state and state[key].dtype == dtype and (scale_key(key) in state) == quantized:
+            continue
+        scales = state.pop(scale_key(key), None)
+        previous = None
+        if key in state:
+            previous = working_copy(key, local_tensor(state[key]), None if scales is None else local_tensor(scales))
+        state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+        if quantized:
+            state[scale_key(key)] = zeros_like_resized(param, scales_shape(param.shape), torch.float32)
+        if previous is None:
+            continue
+        if quantized:
+            store_([key], [local_tensor(state[key])], [local_tensor(state[scale_key(key)])], [previous],
+                   [rounding_count], torch.ones(1, device=previous.device), [shard_positions(param)])
+        else:
+            local_tensor(state[key]).copy_(previous)
+
+
+def _local_adamw_item(item: AdamWTensors) -> AdamWTensors:
+    """A DTensor parameter's AdamW tensors as this rank's shards (plain tensors pass through)."""
+    scales = [None if tensor is None else local_tensor(tensor) for tensor in (item.exp_avg_scales,
+                                                                              item.exp_avg_sq_scales)]
+    positions = None if item.rounding_count is None else shard_positions(item.param)
+    return replace(item, param=local_tensor(item.param), grad=local_tensor(placed_like(item.grad, item.param)),
+                   exp_avg=local_tensor(item.exp_avg), exp_avg_sq=local_tensor(item.exp_avg_sq),
+                   exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1], rounding_positions=positions)
 
 
 def _aligned_by_name(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, Any]:
@@ -304,6 +355,12 @@ class Muon(Optimizer):
             is rescaled to RMS 0.2, as both papers do. The second moment (state "update_sq") is laid out like the
             parameter (per row: the parameter's shape with the dims a row runs along reduced to 1) and, for a
             DTensor, sharded like it: each rank normalizes its own shard of the update.
+        state_dtype: None (the moments, Muon's momentum and AdamW's two, have the parameter's dtype),
+            torch.bfloat16 (half the bytes of float32 moments) or "int8" (8-bit codes, the values of float8 e4m3,
+            with a float32 scale per block of 256 along the last dim: a quarter of the bytes and 1/64 more; vectors,
+            scalars and tensors split along their last dim keep bfloat16). The moments are stepped in float32 and
+            stored back with stochastic rounding, so small updates are not lost; the count of rounded writes is
+            state "rounding_count". A group's moments follow a change of its state_dtype at its next step.
         normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
             (timm's option; its default is True, ours False: under "match_rms_adamw" both conv modes then give every
             entry AdamW's RMS).
@@ -339,7 +396,7 @@ class Muon(Optimizer):
                  qk_clip: Mapping[Hashable, QKClipLayer] | None = None,
                  qk_clip_threshold: float = DEFAULT_THRESHOLD, *, preconditioner: str | None = None,
                  normalization: str | None = None, safety_factor: float = 1.0, scale_eps: bool = False,
-                 capturable: bool = False, verbose: bool = False,
+                 capturable: bool = False, verbose: bool = False, state_dtype: torch.dtype | None = None,
                  betas: tuple[float, float] | None = None, fallback_lr_scale: float | None = None,
                  algo: str | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -349,7 +406,8 @@ class Muon(Optimizer):
                         adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
                         comm_dtype=comm_dtype, chunk_size=chunk_size, preconditioner=preconditioner,
                         normalization=normalization, safety_factor=safety_factor, scale_eps=scale_eps,
-                        capturable=capturable, verbose=verbose, use_muon=None, param_layout="auto")
+                        capturable=capturable, verbose=verbose, state_dtype=state_dtype, use_muon=None,
+                        param_layout="auto")
         defaults = _adamw_lr_as_scale(_from_timm_spellings({**defaults, "betas": betas, "algo": algo,
                                                              "fallback_lr_scale": fallback_lr_scale}), lr)
         if defaults["adamw_lr_scale"] is None:
@@ -485,14 +543,21 @@ class Muon(Optimizer):
             state = self.state[param]
             if "nonfinite_skips" not in state:
                 state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64, device=param.device)
+            rounding_count = None
+            if rounds_stochastically(group["state_dtype"]):
+                if "rounding_count" not in state:
+                    state["rounding_count"] = torch.zeros((), dtype=torch.int64, device=param.device)
+                rounding_count = state["rounding_count"]
+            form = _moment_form(param, group["state_dtype"])
             if self._uses_muon(group, param):
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                _keep_moments(state, param, ("momentum_buffer",), form, rounding_count)
                 view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
-                item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"], view)
+                item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"], view,
+                                   rounding_count=rounding_count,
+                                   momentum_scales=state.get(scale_key("momentum_buffer")))
                 if group["normalization"] is not None:
                     if "update_sq" not in state:
-                        state["update_sq"] = zeros_like_reduced(
+                        state["update_sq"] = zeros_like_resized(
                             param, second_moment_shape(param.shape, view, group["normalization"]),
                             moment_dtype(param.dtype))
                         state["update_step"] = torch.zeros((), dtype=torch.float32, device=param.device)
@@ -501,10 +566,10 @@ class Muon(Optimizer):
             else:
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                _keep_moments(state, param, ("exp_avg", "exp_avg_sq"), form, rounding_count)
                 adamw_items.append(AdamWTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"],
-                                                state["step"], state["nonfinite_skips"]))
+                                                state["step"], state["nonfinite_skips"], rounding_count,
+                                                state.get(scale_key("exp_avg")), state.get(scale_key("exp_avg_sq"))))
         return muon_items, adamw_items
 
     def _muon_step(self, group: dict[str, Any], items: list[MuonTensors]) -> None:
@@ -543,7 +608,9 @@ class Muon(Optimizer):
                         weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
         for device_items in by_device(items).values():
             # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
-            adamw_update(device_items, found_inf_flags([item.grad for item in device_items]), **settings)
+            # The update itself is elementwise: each rank runs it on its own shards, as plain tensors.
+            found_inf = found_inf_flags([item.grad for item in device_items])
+            adamw_update([_local_adamw_item(item) for item in device_items], found_inf, **settings)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,
@@ -612,9 +679,13 @@ class Muon(Optimizer):
         finally:  # the same dict object again, so the hooks' removal handles still work
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
-        params = chain.from_iterable(group["params"] for group in self.param_groups)
-        for saved_id, param in zip(saved_ids, params):
+        params = [(param, group) for group in self.param_groups for param in group["params"]]
+        for saved_id, (param, group) in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id, {})
-            for key, dtype_for in _EXACT_STATE_DTYPES.items():
+            exact_dtypes = {key: dtype_for(param.dtype) for key, dtype_for in _EXACT_STATE_DTYPES.items()}
+            # Moments and their scales load as they were saved (torch would cast them to the parameter's dtype); a
+            # step converts them if the group now stores them in another form.
+            exact_dtypes.update({key: saved[key].dtype for key in saved if key in _MOMENT_STATE_KEYS})
+            for key, dtype in exact_dtypes.items():
                 if key in saved:
-                    self.state[param][key] = saved[key].to(dtype=dtype_for(param.dtype), device=param.device).clone()
+                    self.state[param][key] = saved[key].to(dtype=dtype, device=param.device).clone()

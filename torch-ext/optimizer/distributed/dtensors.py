@@ -25,6 +25,13 @@ def local_tensor(tensor: Tensor) -> Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
+def placed_like(grad: Tensor, param: Tensor) -> Tensor:
+    """A DTensor gradient with its parameter's placements (a tensor-parallel gradient may arrive Partial)."""
+    if is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
 def is_shard(placement: "Placement") -> bool:
     """Shard(dim) or _StridedShard(dim, split_factor): the placement splits a tensor dim over a mesh dim."""
     return isinstance(placement, (Shard, _StridedShard))
@@ -40,16 +47,30 @@ def shard_dim(placement: "Placement") -> int | None:
     return placement.dim if type(placement) is Shard else None
 
 
-def zeros_like_reduced(tensor: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    """Zeros of `shape`: `tensor`'s shape with some dims reduced to 1, on its device. For a DTensor, a DTensor on its
-    mesh, split as `tensor` is along the dims it keeps and replicated over mesh dims that split a reduced dim."""
+def splits_last_dim(tensor: Tensor) -> bool:
+    """Whether a DTensor is split along its last dim on some mesh dim."""
+    return is_dtensor(tensor) and any(sharded_tensor_dim(placement, tensor.ndim) == tensor.ndim - 1
+                                      for placement in tensor.placements)
+
+
+def zeros_like_resized(tensor: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """Zeros of `shape`, `tensor`'s shape with some dims resized, on its device. For a DTensor, a DTensor on its mesh
+    split as `tensor` is along the dims it keeps; a dim it is split along may only be reduced to 1, and is then
+    replicated over those mesh dims."""
     if not is_dtensor(tensor):
         return torch.zeros(shape, dtype=dtype, device=tensor.device)
-    reduced = [dim for dim, (size, full) in enumerate(zip(shape, tensor.shape)) if size != full]
-    placements = [Replicate() if sharded_tensor_dim(placement, tensor.ndim) in reduced else placement
-                  for placement in tensor.placements]
+    resized = [dim for dim, (size, full) in enumerate(zip(shape, tensor.shape)) if size != full]
+    placements = []
+    for placement in tensor.placements:
+        dim = sharded_tensor_dim(placement, tensor.ndim)
+        if dim in resized:
+            if shape[dim] != 1:
+                raise ValueError(f"a DTensor split along dim {dim} ({tensor.placements}) has no state of size "
+                                 f"{shape[dim]} along it")
+            placement = Replicate()
+        placements.append(placement)
     local = tensor.to_local()
-    local_shape = [1 if dim in reduced else size for dim, size in enumerate(local.shape)]
+    local_shape = [shape[dim] if dim in resized else size for dim, size in enumerate(local.shape)]
     zeros = torch.zeros(local_shape, dtype=dtype, device=local.device)
     return DTensor.from_local(zeros, tensor.device_mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())

@@ -20,7 +20,7 @@ from itertools import product
 import torch
 from torch import Tensor
 
-from .dtensors import Placement, sharded_tensor_dim
+from .dtensors import Placement, is_dtensor, sharded_tensor_dim
 
 Box = tuple[slice, ...]
 Order = tuple[int, ...] | None  # the global index at each storage position of one dim; None: the identity
@@ -144,3 +144,23 @@ def sharded_layout(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placemen
             boxes[index].append(slice(starts[key], starts[key] + len(runs[key])))
     by_rank = dict(zip(group_ranks, boxes))
     return ShardLayout(tuple(shape), tuple(tuple(by_rank[rank]) for rank in range(len(by_rank))), tuple(orders))
+
+
+def shard_positions(tensor: Tensor) -> Tensor | None:
+    """For a DTensor, the flat index in the whole (row-major) tensor of each entry of this rank's shard, laid out
+    like the shard (int64): what makes per-entry choices, such as stochastic rounding's random bits, the same
+    whichever way the tensor is split. None for a plain tensor: its own indices are the whole tensor's."""
+    if not is_dtensor(tensor):
+        return None
+    mesh, placements, shape = tensor.device_mesh, tensor.placements, tuple(tensor.shape)
+    coordinate = mesh.get_coordinate()
+    local = tensor.to_local()
+    positions = torch.zeros((1,) * len(shape), dtype=torch.int64, device=local.device)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        splits = [(placement, mesh.size(m), coordinate[m]) for m, placement in enumerate(placements)
+                  if sharded_tensor_dim(placement, len(shape)) == dim]
+        held = _indices_held(dim, shape[dim], splits).to(local.device)
+        positions = positions + held.view((1,) * dim + (-1,) + (1,) * (len(shape) - dim - 1)) * stride
+        stride *= shape[dim]
+    return positions.expand(local.shape)

@@ -13,13 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import native
-from ..functional import LearningRate, MuonTensors, update_step_size
+from ..functional import LearningRate, MuonTensors, momentum_step_, update_step_size
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
 from .dtensors import local_tensor
-from .layout import ShardLayout, box_numel, box_shape
+from .layout import ShardLayout, box_numel, box_shape, shard_positions
 from .normalize_shards import normalize_shards
 from .orthogonalize import apply_update, orthogonalize
 from .plan import Exchange, gather_exchange, scatter_exchange
@@ -163,12 +162,19 @@ def _momentum_stage(chunk: list[SpreadItem], gather: Exchange, send: Tensor,
             outputs.append(_piece(send, send_at[j].offset, box))
         else:
             outputs.append(torch.empty(box_shape(box), dtype=settings.comm_dtype, device=send.device))
-    finite = native.muon_momentum_([local_tensor(item.tensors.momentum_buffer) for item in chunk],
-                                   [item.grad for item in chunk], outputs, settings.momentum, settings.nesterov)
-    finite = finite * torch.stack([item.finite_everywhere for item in chunk])  # products of 0.0 and 1.0: exact
+    finite = momentum_step_([local_tensor(item.tensors.momentum_buffer) for item in chunk],
+                            [item.grad for item in chunk], outputs, settings.momentum, settings.nesterov,
+                            [item.tensors.rounding_count for item in chunk],
+                            [_local_or_none(item.tensors.momentum_scales) for item in chunk],
+                            [None if item.tensors.rounding_count is None else shard_positions(item.tensors.param)
+                             for item in chunk], agreed=torch.stack([item.finite_everywhere for item in chunk]))
     for target, temp in copies:
         target.copy_(temp)
     return fulls, finite
+
+
+def _local_or_none(tensor: Tensor | None) -> Tensor | None:
+    return None if tensor is None else local_tensor(tensor)
 
 
 def _pack(orthogonal: dict[int, Tensor], scatter: Exchange, device: torch.device, dtype: torch.dtype) -> Tensor:

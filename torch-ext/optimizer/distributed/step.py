@@ -17,9 +17,9 @@ from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
 from .assignment import assign_owners, by_decreasing_cost, newton_schulz_cost
-from .dtensors import is_dtensor, is_shard, local_tensor
+from .dtensors import is_dtensor, is_shard, local_tensor, placed_like
 from .finite import finite_everywhere
-from .layout import ShardLayout, replicated_layout, sharded_layout
+from .layout import ShardLayout, replicated_layout, shard_positions, sharded_layout
 from .pipeline import SpreadItem, SpreadSettings, chunk_pipeline, run_staggered
 
 # Each rank owns about this many matrices per chunk: enough for the owner to batch same-shape matrices, few enough
@@ -111,7 +111,7 @@ def _agreed_local_grads(items: Sequence[MuonTensors], layouts: Sequence[ShardLay
     """Local gradient shards and (N,) float32 flags: 0.0 where a sharded matrix is not finite on SOME rank, else
     1.0. Such a matrix's shards are set to NaN on every rank, so that the momentum op skips the whole matrix
     everywhere; the flag also tells ranks with an empty shard. One all-reduce of flags, no host sync."""
-    grads = [local_tensor(_placed_like_param(item)).contiguous() for item in items]
+    grads = [local_tensor(placed_like(item.grad, item.param)).contiguous() for item in items]
     everywhere = torch.ones(len(items), dtype=torch.float32, device=grads[0].device)
     sharded = [j for j, layout in enumerate(layouts) if layout.is_sharded]
     if not sharded:  # every rank holds the whole gradient: each already sees what the others see
@@ -132,18 +132,14 @@ def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], **sett
             item.nonfinite_skips.add_(flag.eq(0))
             if item.update_step is not None:
                 item.update_step.add_(flag)
+            if item.rounding_count is not None:
+                item.rounding_count.add_(flag.to(item.rounding_count.dtype))
             continue
         view = replace(item.view, batch=param.numel() // (item.view.rows * item.view.cols))
         second_moment = None if item.second_moment is None else local_tensor(item.second_moment)
+        scales = None if item.momentum_scales is None else local_tensor(item.momentum_scales)
+        positions = None if item.rounding_count is None else shard_positions(item.param)
         local_items.append(MuonTensors(param, grad, local_tensor(item.momentum_buffer), item.nonfinite_skips, view,
-                                       second_moment, item.update_step))
+                                       second_moment, item.update_step, item.rounding_count, scales, positions))
     if local_items:
         muon_update(local_items, **settings)
-
-
-def _placed_like_param(item: MuonTensors) -> Tensor:
-    """The gradient with the parameter's placements (a tensor-parallel gradient may arrive Partial)."""
-    grad, param = item.grad, item.param
-    if is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
