@@ -39,8 +39,14 @@ MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 _LINEAR_CODED = ("momentum_buffer",)  # the other moments take e4m3 codes
 _STORED_AS_ROOT = ("exp_avg_sq",)
 
-_LOW_32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: consecutive counts land far apart
+
+def _int32(word: int) -> int:
+    """A 32-bit constant as the int32 of the same bits."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+_GOLDEN = _int32(0x9E3779B9)  # 2^32 / golden ratio: consecutive counts land far apart
+_MURMUR_1, _MURMUR_2 = _int32(0x85EBCA6B), _int32(0xC2B2AE35)
 _CODE_DTYPE = torch.float8_e4m3fn
 _CODE_MAX = torch.finfo(_CODE_DTYPE).max  # 448
 _LINEAR_MAX = 127.0
@@ -94,7 +100,8 @@ def store_(keys: Sequence[str], stored: Sequence[Tensor], scales: Sequence[Tenso
     for key, state, scale, value, count, step_taken, position in zip(keys, stored, scales, values, rounding_counts,
                                                                      taken.unbind(), positions):
         if position is None:
-            position = torch.arange(value.numel(), dtype=torch.int64, device=value.device).view(value.shape)
+            position = torch.arange(value.numel(), dtype=_index_dtype(value.numel()), device=value.device)
+            position = position.view(value.shape)
         if scale is None:  # a skipped step's values are the stored ones, which round to themselves
             state.copy_(_stochastically_rounded(value, _random_bits(count, position), state.dtype))
         else:
@@ -134,7 +141,7 @@ def _e4m3_codes(scaled: Tensor, random: Tensor) -> Tensor:
 
 def _fraction(random: Tensor) -> Tensor:
     """Uniform in [0, 1) from the upper 24 of 32 random bits."""
-    return (random >> 8).to(torch.float32) * 2.0 ** -24
+    return ((random >> 8) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
 
 
 def _blocks(tensor: Tensor) -> Tensor:
@@ -155,10 +162,10 @@ def _stochastically_rounded(value: Tensor, random: Tensor, dtype: torch.dtype) -
     rounding is symmetric about zero) plus random bits in the mantissa bits `dtype` drops, truncated, which the
     conversion then keeps exactly (below e4m3's smallest normal, in fixed point)."""
     dropped = (1 << _DROPPED_BITS[dtype]) - 1
-    bits = value.view(torch.int32).to(torch.int64) & _LOW_32
-    rounded = (bits + (random & dropped)) & (_LOW_32 ^ dropped)
-    signed = (rounded ^ 0x80000000) - 0x80000000  # back to the int32 range, as a two's complement pattern
-    result = signed.to(torch.int32).view(torch.float32)
+    # On the int32 pattern a negative value's magnitude is its low 31 bits too: adding to them and clearing the
+    # dropped bits rounds it the same way, and never reaches the sign bit (but from a NaN).
+    rounded = (value.view(torch.int32) + (random & dropped)) & ~dropped
+    result = rounded.view(torch.float32)
     if dtype == _CODE_DTYPE:
         # Below e4m3's smallest normal its codes are evenly spaced, fewer bits than the above kept: round there in
         # fixed point with the same random bits, else the conversion would round to nearest, a bias.
@@ -173,14 +180,19 @@ def _random_bits(count: Tensor, position: Tensor) -> Tensor:
     (so the rounding is unbiased, and a value off by a rounding error rounds the same way but for the rare entries
     that straddle a threshold), fresh at every write, different between entries (a constant gradient's equal values
     do not all round the same way at once)."""
-    return _mix(_mix(position) ^ ((count.to(torch.int64) * _GOLDEN) & _LOW_32))
+    return _mix(_mix(position.to(torch.int32)) ^ (count.to(torch.int32) * _GOLDEN))
 
 
 def _mix(word: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finalizer on int64 tensors holding 32-bit words: every input bit flips about half of
-    the output bits. Products wrap; only their low 32 bits are kept."""
-    word = word ^ (word >> 16)
-    word = (word * 0x85EBCA6B) & _LOW_32
-    word = word ^ (word >> 13)
-    word = (word * 0xC2B2AE35) & _LOW_32
-    return word ^ (word >> 16)
+    """MurmurHash3's 32-bit finalizer on int32 tensors: every input bit flips about half of the output bits.
+    Products wrap (two's complement); the masks make the arithmetic right shifts logical ones."""
+    word = word ^ ((word >> 16) & 0xFFFF)
+    word = word * _MURMUR_1
+    word = word ^ ((word >> 13) & 0x7FFFF)
+    word = word * _MURMUR_2
+    return word ^ ((word >> 16) & 0xFFFF)
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    """int32 indices where they fit (half the bytes to hash); beyond, int64, of which the hash takes the low 32 bits."""
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
