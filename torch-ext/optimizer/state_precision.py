@@ -33,6 +33,9 @@ from torch.nn import functional
 # None: the moments have the parameter's dtype; bfloat16: half the bytes of float32; "int8": 8-bit codes and a scale
 # per block, a quarter of the bytes and 1/64 more.
 STATE_DTYPES: tuple[torch.dtype | str | None, ...] = (None, torch.bfloat16, "int8")
+# Measured on the demo GPT's moments after 40 steps (relative RMS error of one storing): Muon's linear codes 0.77%
+# with blocks of 32, 0.94% of 128, 0.97% of 256, 1.01% of whole 512-entry rows; AdamW's e4m3 codes 3.4-3.8% for every
+# size. 256 keeps the scales at 1.6% of the codes' bytes (4 / 256) for an error within 0.2 points of 32's.
 BLOCK = 256
 # State keys of the moments, whose "int8" form keeps its scales beside them under "<key>_scale".
 MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
