@@ -240,15 +240,16 @@ def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor, *, lr: LearningRate
     written = [item.param, item.exp_avg, item.exp_avg_sq]
     rounded = item.rounding_count is not None
     scales = [item.exp_avg_scales, item.exp_avg_sq_scales]
-    work = [(tensor.float() if rounded else tensor).contiguous() for tensor in written]
     if rounded:
-        work[1:] = [working_copy(key, moment, scale)
-                    for key, moment, scale in zip(_ADAMW_MOMENTS, written[1:], scales)]
+        work = [item.param.float().contiguous(), *(working_copy(key, moment, scale)
+                                                   for key, moment, scale in zip(_ADAMW_MOMENTS, written[1:], scales))]
         if item.exp_avg_sq_scales is not None:
             # An 8-bit second moment far below its block's largest rounds to 0 now and then, and a first moment
             # that did not would then step by m / eps. In exact arithmetic v is 0 only after gradients of 0, and
             # then m is 0 too: so it is made.
             work[1].masked_fill_(work[2] == 0, 0.0)
+    else:
+        work = [tensor.contiguous() for tensor in written]
     grad = item.grad.to(work[0].dtype).contiguous()
     torch._fused_adamw_([work[0]], [grad], [work[1]], [work[2]], [], [item.step], lr=lr, beta1=betas[0],
                         beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,

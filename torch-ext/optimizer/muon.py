@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .coefficients import Coefficients, resolve_coefficients
-from .distributed.dtensors import local_tensor, placed_like, splits_last_dim, zeros_like_resized
+from .distributed.dtensors import local_or_none, local_tensor, placed_like, splits_last_dim, zeros_like_resized
 from .distributed.finite import found_inf_flags
 from .distributed.layout import shard_positions
 from .distributed.step import distributed_muon_update, is_spread
@@ -273,7 +273,7 @@ def _keep_moments(state: dict[str, Any], param: Tensor, keys: tuple[str, ...], f
         scales = state.pop(scale_key(key), None)
         previous = None
         if key in state:
-            previous = working_copy(key, local_tensor(state[key]), None if scales is None else local_tensor(scales))
+            previous = working_copy(key, local_tensor(state[key]), local_or_none(scales))
         state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
         if quantized:
             state[scale_key(key)] = zeros_like_resized(param, scales_shape(param.shape), torch.float32)
@@ -288,12 +288,11 @@ def _keep_moments(state: dict[str, Any], param: Tensor, keys: tuple[str, ...], f
 
 def _local_adamw_item(item: AdamWTensors) -> AdamWTensors:
     """A DTensor parameter's AdamW tensors as this rank's shards (plain tensors pass through)."""
-    scales = [None if tensor is None else local_tensor(tensor) for tensor in (item.exp_avg_scales,
-                                                                              item.exp_avg_sq_scales)]
     positions = None if item.rounding_count is None else shard_positions(item.param)
     return replace(item, param=local_tensor(item.param), grad=local_tensor(placed_like(item.grad, item.param)),
                    exp_avg=local_tensor(item.exp_avg), exp_avg_sq=local_tensor(item.exp_avg_sq),
-                   exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1], rounding_positions=positions)
+                   exp_avg_scales=local_or_none(item.exp_avg_scales),
+                   exp_avg_sq_scales=local_or_none(item.exp_avg_sq_scales), rounding_positions=positions)
 
 
 def _aligned_by_name(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, Any]:
@@ -356,9 +355,10 @@ class Muon(Optimizer):
             parameter (per row: the parameter's shape with the dims a row runs along reduced to 1) and, for a
             DTensor, sharded like it: each rank normalizes its own shard of the update.
         state_dtype: None (the moments, Muon's momentum and AdamW's two, have the parameter's dtype),
-            torch.bfloat16 (half the bytes of float32 moments) or "int8" (8-bit codes, the values of float8 e4m3,
-            with a float32 scale per block of 256 along the last dim: a quarter of the bytes and 1/64 more; vectors,
-            scalars and tensors split along their last dim keep bfloat16). The moments are stepped in float32 and
+            torch.bfloat16 (half the bytes of float32 moments) or "int8" (8-bit codes with a float32 scale per block
+            of 256 along the last dim, a quarter of the bytes and 1/64 more: linear codes for Muon's momentum, float8
+            e4m3 values for AdamW's moments, the second one's square root; vectors, scalars and tensors split along
+            their last dim keep bfloat16). The moments are stepped in float32 and
             stored back with stochastic rounding, so small updates are not lost; the count of rounded writes is
             state "rounding_count". A group's moments follow a change of its state_dtype at its next step.
         normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
@@ -396,7 +396,7 @@ class Muon(Optimizer):
                  qk_clip: Mapping[Hashable, QKClipLayer] | None = None,
                  qk_clip_threshold: float = DEFAULT_THRESHOLD, *, preconditioner: str | None = None,
                  normalization: str | None = None, safety_factor: float = 1.0, scale_eps: bool = False,
-                 capturable: bool = False, verbose: bool = False, state_dtype: torch.dtype | None = None,
+                 capturable: bool = False, verbose: bool = False, state_dtype: torch.dtype | str | None = None,
                  betas: tuple[float, float] | None = None, fallback_lr_scale: float | None = None,
                  algo: str | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -679,8 +679,8 @@ class Muon(Optimizer):
         finally:  # the same dict object again, so the hooks' removal handles still work
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
-        params = [(param, group) for group in self.param_groups for param in group["params"]]
-        for saved_id, (param, group) in zip(saved_ids, params):
+        params = chain.from_iterable(group["params"] for group in self.param_groups)
+        for saved_id, param in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id, {})
             exact_dtypes = {key: dtype_for(param.dtype) for key, dtype_for in _EXACT_STATE_DTYPES.items()}
             # Moments and their scales load as they were saved (torch would cast them to the parameter's dtype); a

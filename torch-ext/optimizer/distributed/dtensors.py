@@ -25,6 +25,11 @@ def local_tensor(tensor: Tensor) -> Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
+def local_or_none(tensor: Tensor | None) -> Tensor | None:
+    """`local_tensor` of optional state (a normalization's second moment, 8-bit codes' scales)."""
+    return None if tensor is None else local_tensor(tensor)
+
+
 def placed_like(grad: Tensor, param: Tensor) -> Tensor:
     """A DTensor gradient with its parameter's placements (a tensor-parallel gradient may arrive Partial)."""
     if is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):

@@ -17,7 +17,7 @@ from ..functional import LearningRate, MuonTensors, momentum_step_, update_step_
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
-from .dtensors import local_tensor
+from .dtensors import local_or_none, local_tensor
 from .layout import ShardLayout, box_numel, box_shape, shard_positions
 from .normalize_shards import normalize_shards
 from .orthogonalize import apply_update, orthogonalize
@@ -165,16 +165,12 @@ def _momentum_stage(chunk: list[SpreadItem], gather: Exchange, send: Tensor,
     finite = momentum_step_([local_tensor(item.tensors.momentum_buffer) for item in chunk],
                             [item.grad for item in chunk], outputs, settings.momentum, settings.nesterov,
                             [item.tensors.rounding_count for item in chunk],
-                            [_local_or_none(item.tensors.momentum_scales) for item in chunk],
+                            [local_or_none(item.tensors.momentum_scales) for item in chunk],
                             [None if item.tensors.rounding_count is None else shard_positions(item.tensors.param)
                              for item in chunk], agreed=torch.stack([item.finite_everywhere for item in chunk]))
     for target, temp in copies:
         target.copy_(temp)
     return fulls, finite
-
-
-def _local_or_none(tensor: Tensor | None) -> Tensor | None:
-    return None if tensor is None else local_tensor(tensor)
 
 
 def _pack(orthogonal: dict[int, Tensor], scatter: Exchange, device: torch.device, dtype: torch.dtype) -> Tensor:

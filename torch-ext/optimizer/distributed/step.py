@@ -17,7 +17,7 @@ from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
 from .assignment import assign_owners, by_decreasing_cost, newton_schulz_cost
-from .dtensors import is_dtensor, is_shard, local_tensor, placed_like
+from .dtensors import is_dtensor, is_shard, local_or_none, local_tensor, placed_like
 from .finite import finite_everywhere
 from .layout import ShardLayout, replicated_layout, shard_positions, sharded_layout
 from .pipeline import SpreadItem, SpreadSettings, chunk_pipeline, run_staggered
@@ -136,10 +136,9 @@ def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], **sett
                 item.rounding_count.add_(flag.to(item.rounding_count.dtype))
             continue
         view = replace(item.view, batch=param.numel() // (item.view.rows * item.view.cols))
-        second_moment = None if item.second_moment is None else local_tensor(item.second_moment)
-        scales = None if item.momentum_scales is None else local_tensor(item.momentum_scales)
         positions = None if item.rounding_count is None else shard_positions(item.param)
         local_items.append(MuonTensors(param, grad, local_tensor(item.momentum_buffer), item.nonfinite_skips, view,
-                                       second_moment, item.update_step, item.rounding_count, scales, positions))
+                                       local_or_none(item.second_moment), item.update_step, item.rounding_count,
+                                       local_or_none(item.momentum_scales), positions))
     if local_items:
         muon_update(local_items, **settings)
