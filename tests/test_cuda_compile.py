@@ -17,8 +17,9 @@ from types import ModuleType
 
 import pytest
 
-CUDA_KERNEL_SOURCES = ["muon_momentum.cu", "symmetric_gram.cu"]
-CUDA_CPP_SOURCES = ["muon_momentum_cuda.cpp", "finite_flags_cuda.cpp", "symmetric_gram_cuda.cpp", "torch_binding.cpp"]
+CUDA_KERNEL_SOURCES = ["muon_momentum.cu", "muon_momentum_rounded.cu", "moment_codes.cu", "symmetric_gram.cu"]
+CUDA_CPP_SOURCES = ["muon_momentum_cuda.cpp", "muon_momentum_rounded_cuda.cpp", "moment_codes_cuda.cpp",
+                    "finite_flags_cuda.cpp", "symmetric_gram_cuda.cpp", "torch_binding.cpp"]
 
 # Extra commands, keyed apart from the source names.
 GRAM_PTX = "symmetric_gram.cu -> ptx"

@@ -23,21 +23,31 @@ void check_tensor(const at::Tensor& tensor, const char* name, size_t index, cons
   TORCH_CHECK_VALUE(tensor.is_contiguous(), "muon_momentum_: ", name, "[", index, "] must be contiguous");
 }
 
+// The per-tensor flags every op writes: one float32 per tensor, where the tensors are.
+void check_flags(const char* op, const at::Tensor& finite, size_t count) {
+  TORCH_CHECK_VALUE(finite.scalar_type() == at::kFloat && finite.dim() == 1 && finite.is_contiguous() &&
+                        finite.numel() == static_cast<int64_t>(count),
+                    op, ": finite must be a contiguous float32 tensor of shape (", count, "), got ",
+                    finite.scalar_type(), " of shape ", finite.sizes());
+}
+
+// The rules both momentum ops share: one grad and one update per buffer, the flags, and beta.
+void check_momentum_lists(const char* op, at::TensorList momentum_buffers, at::TensorList grads,
+                          at::TensorList updates, const at::Tensor& finite, double beta) {
+  const size_t count = momentum_buffers.size();
+  TORCH_CHECK_VALUE(grads.size() == count, op, ": grads has ", grads.size(), " tensors but momentum_buffers has ",
+                    count);
+  TORCH_CHECK_VALUE(updates.size() == count, op, ": updates has ", updates.size(),
+                    " tensors but momentum_buffers has ", count);
+  check_flags(op, finite, count);
+  TORCH_CHECK_VALUE(std::isfinite(beta) && beta >= 0.0 && beta <= 1.0, op, ": beta must be in [0, 1], got ", beta);
+}
+
 // Shared by every backend, so the rules cannot drift between CPU and CUDA.
 void check_muon_momentum_args(at::TensorList momentum_buffers, at::TensorList grads, at::TensorList updates,
                               const at::Tensor& finite, double beta) {
-  const size_t count = momentum_buffers.size();
-  TORCH_CHECK_VALUE(grads.size() == count, "muon_momentum_: grads has ", grads.size(),
-                    " tensors but momentum_buffers has ", count);
-  TORCH_CHECK_VALUE(updates.size() == count, "muon_momentum_: updates has ", updates.size(),
-                    " tensors but momentum_buffers has ", count);
-  TORCH_CHECK_VALUE(finite.scalar_type() == at::kFloat && finite.dim() == 1 && finite.is_contiguous() &&
-                        finite.numel() == static_cast<int64_t>(count),
-                    "muon_momentum_: finite must be a contiguous float32 tensor of shape (", count, "), got ",
-                    finite.scalar_type(), " of shape ", finite.sizes());
-  TORCH_CHECK_VALUE(std::isfinite(beta) && beta >= 0.0 && beta <= 1.0, "muon_momentum_: beta must be in [0, 1], got ",
-                    beta);
-  for (size_t i = 0; i < count; ++i) {
+  check_momentum_lists("muon_momentum_", momentum_buffers, grads, updates, finite, beta);
+  for (size_t i = 0; i < momentum_buffers.size(); ++i) {
     check_tensor(momentum_buffers[i], "momentum_buffers", i, finite);
     check_tensor(grads[i], "grads", i, finite);
     check_tensor(updates[i], "updates", i, finite);
@@ -52,12 +62,129 @@ void check_muon_momentum_args(at::TensorList momentum_buffers, at::TensorList gr
   }
 }
 
+// The stored forms' extra arguments, on top of check_muon_momentum_args' rules for the lists and the flags.
+void check_rounded_item(const at::Tensor& buffer, const std::optional<at::Tensor>& scales, const at::Tensor& count,
+                        const std::optional<at::Tensor>& position, size_t i, const at::Tensor& finite) {
+  const bool quantized = buffer.scalar_type() == at::kChar;
+  TORCH_CHECK_VALUE(quantized || buffer.scalar_type() == at::kBFloat16, "muon_momentum_rounded_: momentum_buffers[",
+                    i, "] has dtype ", buffer.scalar_type(), " (expected bfloat16, or int8 codes with scales)");
+  TORCH_CHECK_VALUE(buffer.device() == finite.device(), "muon_momentum_rounded_: momentum_buffers[", i, "] is on ",
+                    buffer.device(), " but finite is on ", finite.device());
+  TORCH_CHECK_VALUE(buffer.is_contiguous(), "muon_momentum_rounded_: momentum_buffers[", i, "] must be contiguous");
+  TORCH_CHECK_VALUE(scales.has_value() == quantized, "muon_momentum_rounded_: scales[", i, "] must be ",
+                    quantized ? "given for int8 codes" : "None for a bfloat16 buffer");
+  if (quantized) {
+    TORCH_CHECK_VALUE(buffer.dim() >= 1, "muon_momentum_rounded_: momentum_buffers[", i,
+                      "] holds int8 codes, which need at least one dim, got a 0-dim tensor");
+    std::vector<int64_t> expected(buffer.sizes().begin(), buffer.sizes().end());
+    expected.back() = (expected.back() + kRoundedBlock - 1) / kRoundedBlock;
+    TORCH_CHECK_VALUE(scales->scalar_type() == at::kFloat && scales->device() == finite.device() &&
+                          scales->is_contiguous() && scales->sizes() == c10::IntArrayRef(expected),
+                      "muon_momentum_rounded_: scales[", i, "] must be a contiguous float32 tensor of shape ",
+                      c10::IntArrayRef(expected), " on ", finite.device(), ", got ", scales->scalar_type(), " of shape ",
+                      scales->sizes(), " on ", scales->device());
+  }
+  TORCH_CHECK_VALUE(count.scalar_type() == at::kLong && count.numel() == 1 && count.device() == finite.device(),
+                    "muon_momentum_rounded_: rounding_counts[", i, "] must be one int64 on ", finite.device(), ", got ",
+                    count.scalar_type(), " of shape ", count.sizes(), " on ", count.device());
+  if (position.has_value()) {
+    TORCH_CHECK_VALUE(position->scalar_type() == at::kLong &&
+                          position->device() == finite.device() && position->is_contiguous() &&
+                          position->sizes() == buffer.sizes(),
+                      "muon_momentum_rounded_: positions[", i, "] must be a contiguous int64 tensor of shape ",
+                      buffer.sizes(), " on ", finite.device(), ", got ", position->scalar_type(), " of shape ",
+                      position->sizes(), " on ", position->device());
+  }
+}
+
+// Shared by every backend. The grads may have any supported dtype, whatever the stored form.
+void check_muon_momentum_rounded_args(at::TensorList momentum_buffers, const OptionalTensors& scales,
+                                      at::TensorList grads, at::TensorList updates, const at::Tensor& finite,
+                                      at::TensorList rounding_counts, const OptionalTensors& positions, double beta) {
+  const size_t count = momentum_buffers.size();
+  TORCH_CHECK_VALUE(scales.size() == count && rounding_counts.size() == count && positions.size() == count,
+                    "muon_momentum_rounded_: scales, rounding_counts and positions have ", scales.size(), ", ",
+                    rounding_counts.size(), " and ", positions.size(), " entries but momentum_buffers has ", count);
+  check_momentum_lists("muon_momentum_rounded_", momentum_buffers, grads, updates, finite, beta);
+  for (size_t i = 0; i < count; ++i) {
+    check_rounded_item(momentum_buffers[i], scales.get(i), rounding_counts[i], positions.get(i), i, finite);
+    check_tensor(grads[i], "grads", i, finite);
+    check_tensor(updates[i], "updates", i, finite);
+    for (const auto& [name, tensor] : {std::pair{"grads", grads[i]}, std::pair{"updates", updates[i]}}) {
+      TORCH_CHECK_VALUE(tensor.sizes() == momentum_buffers[i].sizes(), "muon_momentum_rounded_: ", name, "[", i,
+                        "] has shape ", tensor.sizes(), " but momentum_buffers[", i, "] has shape ",
+                        momentum_buffers[i].sizes());
+    }
+  }
+}
+
+MomentCode moment_code(c10::string_view name) {
+  if (name == "bfloat16") return MomentCode::kBFloat16;
+  if (name == "linear") return MomentCode::kLinear;
+  if (name == "e4m3") return MomentCode::kE4m3;
+  TORCH_CHECK_VALUE(name == "e4m3_root", "moment code must be 'bfloat16', 'linear', 'e4m3' or 'e4m3_root', got '",
+                    name, "'");
+  return MomentCode::kE4m3Root;
+}
+
+// The stored form and its scales (shared by load_moment_ and store_moment_): `op` names the op for the messages.
+void check_stored_moment(const char* op, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
+                         const at::Tensor& values, MomentCode code) {
+  const bool quantized = code != MomentCode::kBFloat16;
+  TORCH_CHECK_VALUE(stored.scalar_type() == (quantized ? at::kChar : at::kBFloat16), op, ": stored has dtype ",
+                    stored.scalar_type(), " but its code needs ", quantized ? "int8" : "bfloat16");
+  TORCH_CHECK_VALUE(stored.is_contiguous() && stored.device() == values.device(), op,
+                    ": stored must be contiguous and on ", values.device());
+  TORCH_CHECK_VALUE(values.scalar_type() == at::kFloat && values.is_contiguous() && values.sizes() == stored.sizes(),
+                    op, ": the float32 values must be contiguous of shape ", stored.sizes(), ", got ",
+                    values.scalar_type(), " of shape ", values.sizes());
+  TORCH_CHECK_VALUE(scales.has_value() == quantized, op, ": scales must be ",
+                    quantized ? "given for int8 codes" : "None for a bfloat16 moment");
+  if (quantized) {
+    TORCH_CHECK_VALUE(stored.dim() >= 1, op, ": int8 codes need at least one dim, got a 0-dim tensor");
+    std::vector<int64_t> expected(stored.sizes().begin(), stored.sizes().end());
+    expected.back() = (expected.back() + kRoundedBlock - 1) / kRoundedBlock;
+    TORCH_CHECK_VALUE(scales->scalar_type() == at::kFloat && scales->device() == values.device() &&
+                          scales->is_contiguous() && scales->sizes() == c10::IntArrayRef(expected),
+                      op, ": scales must be a contiguous float32 tensor of shape ", c10::IntArrayRef(expected), " on ",
+                      values.device(), ", got ", scales->scalar_type(), " of shape ", scales->sizes(), " on ",
+                      scales->device());
+  }
+}
+
+template <LoadMomentImpl impl>
+void checked_load_moment(at::Tensor& out, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
+                         c10::string_view code_name) {
+  const MomentCode code = moment_code(code_name);
+  check_stored_moment("load_moment_", stored, scales, out, code);
+  impl(out, stored, scales, code);
+}
+
+template <StoreMomentImpl impl>
+void checked_store_moment(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
+                          const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
+                          int64_t position_offset, const at::Tensor& taken, c10::string_view code_name) {
+  const MomentCode code = moment_code(code_name);
+  check_stored_moment("store_moment_", stored, scales, values, code);
+  TORCH_CHECK_VALUE(rounding_count.scalar_type() == at::kLong && rounding_count.numel() == 1 &&
+                        rounding_count.device() == values.device(),
+                    "store_moment_: rounding_count must be one int64 on ", values.device(), ", got ",
+                    rounding_count.scalar_type(), " of shape ", rounding_count.sizes());
+  TORCH_CHECK_VALUE(taken.scalar_type() == at::kFloat && taken.numel() == 1 && taken.device() == values.device(),
+                    "store_moment_: taken must be one float32 on ", values.device(), ", got ", taken.scalar_type(),
+                    " of shape ", taken.sizes());
+  if (positions.has_value()) {
+    TORCH_CHECK_VALUE(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
+                          positions->sizes() == stored.sizes() && positions->device() == values.device(),
+                      "store_moment_: positions must be a contiguous int64 tensor of shape ", stored.sizes(), ", got ",
+                      positions->scalar_type(), " of shape ", positions->sizes());
+  }
+  impl(stored, scales, values, rounding_count, positions, position_offset, taken, code);
+}
+
 // Shared by every backend: the flags are the tensors' own, one per tensor, written where the tensors are.
 void check_finite_flags_args(at::TensorList tensors, const at::Tensor& finite) {
-  TORCH_CHECK_VALUE(finite.scalar_type() == at::kFloat && finite.dim() == 1 && finite.is_contiguous() &&
-                        finite.numel() == static_cast<int64_t>(tensors.size()),
-                    "finite_flags_: finite must be a contiguous float32 tensor of shape (", tensors.size(), "), got ",
-                    finite.scalar_type(), " of shape ", finite.sizes());
+  check_flags("finite_flags_", finite, tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     TORCH_CHECK_VALUE(tensors[i].device() == finite.device(), "finite_flags_: tensors[", i, "] is on ",
                       tensors[i].device(), " but finite is on ", finite.device());
@@ -78,6 +205,15 @@ void checked_muon_momentum(at::TensorList momentum_buffers, at::TensorList grads
                            const at::Tensor& finite, double beta, bool nesterov) {
   check_muon_momentum_args(momentum_buffers, grads, updates, finite, beta);
   impl(momentum_buffers, grads, updates, finite, beta, nesterov);
+}
+
+template <MuonMomentumRoundedImpl impl>
+void checked_muon_momentum_rounded(at::TensorList momentum_buffers, const OptionalTensors& scales,
+                                   at::TensorList grads, at::TensorList updates, const at::Tensor& finite,
+                                   at::TensorList rounding_counts, const OptionalTensors& positions, double beta,
+                                   bool nesterov) {
+  check_muon_momentum_rounded_args(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions, beta);
+  impl(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions, beta, nesterov);
 }
 
 // The bytes [begin, end) a tensor's elements can occupy (a superset for gapped strides: a safe answer for overlap).
@@ -141,20 +277,39 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "muon_momentum_(Tensor(a!)[] momentum_buffers, Tensor[] grads, Tensor(b!)[] updates, Tensor(c!) finite, "
       "float beta, bool nesterov) -> ()");
+  // The same step on bfloat16 or int8-coded momentum (with block scales), stored back stochastically rounded.
+  ops.def(
+      "muon_momentum_rounded_(Tensor(a!)[] momentum_buffers, Tensor(b!)?[] scales, Tensor[] grads, "
+      "Tensor(c!)[] updates, Tensor(d!) finite, Tensor[] rounding_counts, Tensor?[] positions, float beta, "
+      "bool nesterov) -> ()");
   // out = alpha * X X^T + beta * C, written whole and exactly symmetric; C (symmetric) and beta are ignored when
   // C is None, and then out's old contents are never read.
   ops.def("symmetric_gram_(Tensor(a!) out, Tensor X, Tensor? C, float alpha, float beta) -> ()");
   // finite[i] = 1.0 where tensors[i] holds no NaN or Inf, else 0.0: the gradient check of AdamW-routed parameters.
   ops.def("finite_flags_(Tensor[] tensors, Tensor(a!) finite) -> ()");
+  // out = the float32 values of a moment stored in fewer bytes (see torch_binding.h's MomentCode).
+  ops.def("load_moment_(Tensor(a!) out, Tensor stored, Tensor? scales, str code) -> ()");
+  // The moment <- values, rounded at random; untouched where taken is 0.
+  ops.def(
+      "store_moment_(Tensor(a!) stored, Tensor(b!)? scales, Tensor values, Tensor rounding_count, Tensor? positions, "
+      "int position_offset, Tensor taken, str code) -> ()");
 #if defined(CPU_KERNEL)
   ops.impl("muon_momentum_", c10::DeviceType::CPU, &checked_muon_momentum<&muon_momentum_cpu>);
+  ops.impl("muon_momentum_rounded_", c10::DeviceType::CPU,
+           &checked_muon_momentum_rounded<&muon_momentum_rounded_cpu>);
   ops.impl("symmetric_gram_", c10::DeviceType::CPU, &checked_symmetric_gram<&symmetric_gram_cpu>);
   ops.impl("finite_flags_", c10::DeviceType::CPU, &checked_finite_flags<&finite_flags_cpu>);
+  ops.impl("load_moment_", c10::DeviceType::CPU, &checked_load_moment<&load_moment_cpu>);
+  ops.impl("store_moment_", c10::DeviceType::CPU, &checked_store_moment<&store_moment_cpu>);
 #endif
 #if defined(CUDA_KERNEL)
   ops.impl("muon_momentum_", c10::DeviceType::CUDA, &checked_muon_momentum<&muon_momentum_cuda>);
+  ops.impl("muon_momentum_rounded_", c10::DeviceType::CUDA,
+           &checked_muon_momentum_rounded<&muon_momentum_rounded_cuda>);
   ops.impl("symmetric_gram_", c10::DeviceType::CUDA, &checked_symmetric_gram<&symmetric_gram_cuda>);
   ops.impl("finite_flags_", c10::DeviceType::CUDA, &checked_finite_flags<&finite_flags_cuda>);
+  ops.impl("load_moment_", c10::DeviceType::CUDA, &checked_load_moment<&load_moment_cuda>);
+  ops.impl("store_moment_", c10::DeviceType::CUDA, &checked_store_moment<&store_moment_cuda>);
 #endif
 }
 

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/List.h>
 
 // One implementation per backend, each defined in kernels-src/<backend>/. They receive arguments that
 // torch_binding.cpp has already validated (same device, matching shapes, supported dtypes, contiguous where needed).
@@ -14,6 +15,55 @@ void muon_momentum_cpu(at::TensorList momentum_buffers, at::TensorList grads, at
 
 void muon_momentum_cuda(at::TensorList momentum_buffers, at::TensorList grads, at::TensorList updates,
                         const at::Tensor& finite, double beta, bool nesterov);
+
+// Muon's momentum step on state kept in fewer bytes (torch-ext/optimizer/state_precision.py says why and how):
+// momentum_buffers[i] is bfloat16 (scales[i] absent) or int8 linear codes -127..127 with a float32 scale per block of
+// kRoundedBlock entries along the last dim (scales[i] of shape (*shape[:-1], ceil(shape[-1] / kRoundedBlock))). The
+// momentum is stepped in float32 from the stored values, the update written from that float32 value, and the new
+// momentum stored back rounded at random with bits hashed from each entry's position (positions[i], int64, or its index
+// when absent) and *rounding_counts[i] (int64, read on the device). A non-finite gradient leaves buffer and scales
+// untouched and zeroes the update; finite[i] tells which. The counts are not moved: the caller moves them.
+constexpr int64_t kRoundedBlock = 256;
+
+using OptionalTensors = c10::List<std::optional<at::Tensor>>;
+
+using MuonMomentumRoundedImpl = void (*)(at::TensorList momentum_buffers, const OptionalTensors& scales,
+                                         at::TensorList grads, at::TensorList updates, const at::Tensor& finite,
+                                         at::TensorList rounding_counts, const OptionalTensors& positions, double beta,
+                                         bool nesterov);
+
+void muon_momentum_rounded_cpu(at::TensorList momentum_buffers, const OptionalTensors& scales, at::TensorList grads,
+                               at::TensorList updates, const at::Tensor& finite, at::TensorList rounding_counts,
+                               const OptionalTensors& positions, double beta, bool nesterov);
+
+void muon_momentum_rounded_cuda(at::TensorList momentum_buffers, const OptionalTensors& scales, at::TensorList grads,
+                                at::TensorList updates, const at::Tensor& finite, at::TensorList rounding_counts,
+                                const OptionalTensors& positions, double beta, bool nesterov);
+
+// A moment kept in fewer bytes, read into and written from float32, for the optimizer steps that do their math on a
+// float32 working copy (AdamW's, through torch's fused kernel). `code` names the stored form: "bfloat16" (a bfloat16
+// tensor, no scales), or int8 codes with a float32 scale per block as for the momentum: "linear" (-127..127),
+// "e4m3" (float8 e4m3 values) or "e4m3_root" (e4m3 values of the square root). Writing rounds at random with bits
+// hashed from each entry's position (positions, int64, or position_offset + its index when absent) and
+// *rounding_count; nothing is written where *taken (float32, one element) is 0.
+enum class MomentCode { kBFloat16, kLinear, kE4m3, kE4m3Root };
+
+using LoadMomentImpl = void (*)(at::Tensor& out, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
+                                MomentCode code);
+using StoreMomentImpl = void (*)(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
+                                 const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
+                                 int64_t position_offset, const at::Tensor& taken, MomentCode code);
+
+void load_moment_cpu(at::Tensor& out, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
+                     MomentCode code);
+void store_moment_cpu(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
+                      const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
+                      int64_t position_offset, const at::Tensor& taken, MomentCode code);
+void load_moment_cuda(at::Tensor& out, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
+                      MomentCode code);
+void store_moment_cuda(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
+                       const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
+                       int64_t position_offset, const at::Tensor& taken, MomentCode code);
 
 // out = alpha * X X^T + beta * C (beta and C ignored when C is absent), out and C symmetric: X (m, k) or (B, m, k).
 using SymmetricGramImpl = void (*)(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C,

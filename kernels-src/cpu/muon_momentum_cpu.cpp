@@ -4,49 +4,15 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/bit_cast.h>
 
 #include "finite_cpu.h"
+#include "momentum_math_cpu.h"
 
 namespace {
 
 using muon_cpu::kGrainSize;
-
-// torch.lerp's formula, weight < 0.5 ? start + weight * (end - start) : end - (end - start) * (1 - weight), with
-// the weight rounded to opmath_t first as torch does (for weight in [0.5, 1], 1 - weight and weight - 1 are both
-// exact), but with the choice made once per call rather than per element, so the loops vectorize. The AVX2 clone
-// may fuse the multiply-add, as torch's own vectorized lerp does: one rounding fewer.
-template <typename opmath_t>
-struct Lerp {
-  explicit Lerp(double weight)
-      : from_start(static_cast<opmath_t>(weight) < opmath_t(0.5)),
-        coefficient(from_start ? static_cast<opmath_t>(weight) : static_cast<opmath_t>(weight) - opmath_t(1)) {}
-
-  opmath_t operator()(opmath_t start, opmath_t end) const {
-    return (from_start ? start : end) + coefficient * (end - start);
-  }
-
-  bool from_start;
-  opmath_t coefficient;
-};
-
-// Rounds value to T, stores it, and returns the stored value widened back (what a later reader of *dst sees).
-template <typename T, typename opmath_t>
-C10_ALWAYS_INLINE opmath_t store(T* dst, opmath_t value) {
-  *dst = static_cast<T>(value);
-  return static_cast<opmath_t>(*dst);
-}
-
-// bfloat16 stores its raw bits: assigning the c10 struct is a struct copy, which GCC does not vectorize, and
-// c10::BFloat16's rounding returns early for NaN, a branch that also blocks it. This is the same
-// round-to-nearest-even with NaN as a select (4x faster loops, measured).
-template <>
-C10_ALWAYS_INLINE float store<c10::BFloat16, float>(c10::BFloat16* dst, float value) {
-  const uint32_t bits = c10::bit_cast<uint32_t>(value);
-  const uint32_t rounded = value != value ? 0x7FC0u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  dst->x = static_cast<uint16_t>(rounded);
-  return c10::bit_cast<float>(rounded << 16);
-}
+using muon_cpu::Lerp;
+using muon_cpu::store;
 
 // Nesterov blends with the buffer as stored (rounded to its dtype), as `grad.lerp(buf, beta)` would after `buf.lerp_`.
 template <typename value_t, typename update_t, bool nesterov>

@@ -19,7 +19,7 @@ from . import native
 from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, squares, sum_of_squares, uses_rms_rule
 from .routing import MatrixView
-from .state_precision import store_, working_copy
+from .state_precision import advance_counts_
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rsqrt_in")
 
@@ -100,22 +100,40 @@ class MuonTensors:
 def momentum_step_(buffers: Sequence[Tensor], grads: Sequence[Tensor], outputs: Sequence[Tensor], beta: float,
                    nesterov: bool, rounding_counts: Sequence[Tensor | None], scales: Sequence[Tensor | None],
                    positions: Sequence[Tensor | None], agreed: Tensor | None = None) -> Tensor:
-    """`native.muon_momentum_`, where a buffer with a rounding count (a `state_dtype`; with "int8", its block scales
-    too) is stepped as a float32 working copy and stored back stochastically rounded. Returns the finite flags
-    (float32 0.0/1.0), times `agreed` where given (the flags of the other ranks holding the same matrices); a count
-    moves only where the final flag is 1."""
+    """The momentum op for each buffer: `native.muon_momentum_`, or `native.muon_momentum_rounded_` for one with a
+    rounding count (a `state_dtype`; with "int8", its block scales too). Returns the finite flags (float32 0.0/1.0),
+    times `agreed` where given (the flags of the other ranks holding the same matrices, whose callers have already
+    made a gradient that is not finite elsewhere not finite here); a count moves only where the final flag is 1."""
     rounded = [i for i, count in enumerate(rounding_counts) if count is not None]
-    work_buffers, work_grads = list(buffers), list(grads)
-    for i in rounded:
-        work_buffers[i], work_grads[i] = working_copy("momentum_buffer", buffers[i], scales[i]), grads[i].float()
-    finite = native.muon_momentum_(work_buffers, work_grads, list(outputs), beta, nesterov)
+    plain = [i for i, count in enumerate(rounding_counts) if count is None]
+    parts: list[tuple[list[int], Tensor]] = []
+    if plain:
+        parts.append((plain, native.muon_momentum_([buffers[i] for i in plain], [grads[i] for i in plain],
+                                                   [outputs[i] for i in plain], beta, nesterov)))
+    if rounded:
+        parts.append((rounded, native.muon_momentum_rounded_(
+            [buffers[i] for i in rounded], [scales[i] for i in rounded], [grads[i] for i in rounded],
+            [outputs[i] for i in rounded], [rounding_counts[i] for i in rounded],
+            [None if positions[i] is None else positions[i].contiguous() for i in rounded], beta, nesterov)))
+    finite = parts[0][1] if len(parts) == 1 else _merged(parts, len(buffers))
     if agreed is not None:
         finite = finite * agreed  # products of 0.0 and 1.0: exact
     if rounded:
-        store_(["momentum_buffer"] * len(rounded), [buffers[i] for i in rounded], [scales[i] for i in rounded],
-               [work_buffers[i] for i in rounded], [rounding_counts[i] for i in rounded], finite[rounded],
-               [positions[i] for i in rounded])
+        advance_counts_([rounding_counts[i] for i in rounded], finite[rounded])
     return finite
+
+
+def _merged(parts: Sequence[tuple[list[int], Tensor]], total: int) -> Tensor:
+    """One (total,) tensor of the flags each part computed for its indices."""
+    merged = torch.empty(total, dtype=torch.float32, device=parts[0][1].device)
+    for indices, flags in parts:
+        merged[indices] = flags
+    return merged
+
+
+def buckets(items: Sequence[MuonTensors]) -> list[list[MuonTensors]]:
+    """The items as `muon_update` orthogonalizes them, one batched call per bucket."""
+    return list(_bucket(items).values())
 
 
 def _bucket(items: Sequence[MuonTensors]) -> dict[tuple, list[MuonTensors]]:
@@ -229,35 +247,64 @@ def by_device(items: Sequence[AdamWTensors]) -> dict[torch.device, list[AdamWTen
 
 
 _ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+# Entries per float32 working copy of rounded moments: the copies of a 38M-entry embedding would otherwise add 8 bytes
+# per entry to the step's peak memory. 2^16 entries keep them in a core's cache; a chunk's ops then take ~0.6 ms on a
+# 2-core EPYC, of which torch's per-call costs (~25 us per op) are a small part.
+ROUNDED_CHUNK = 1 << 16
 
 
 def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor, *, lr: LearningRate, betas: tuple[float, float],
                       eps: float, weight_decay: float) -> None:
     # torch's CPU fused AdamW walks every tensor as if it were contiguous: on a strided view (a column, a transposed
     # weight) it computes a wrong update and writes beside the view. So it gets contiguous tensors, and what was a
-    # copy goes back. Stochastically rounded moments are stepped as float32 copies (the kernel wants one dtype for
-    # all its tensors: the parameter and gradient then too) and stored back rounded.
+    # copy goes back.
     written = [item.param, item.exp_avg, item.exp_avg_sq]
-    rounded = item.rounding_count is not None
-    scales = [item.exp_avg_scales, item.exp_avg_sq_scales]
-    if rounded:
-        work = [item.param.float().contiguous(), *(working_copy(key, moment, scale)
-                                                   for key, moment, scale in zip(_ADAMW_MOMENTS, written[1:], scales))]
-        if item.exp_avg_sq_scales is not None:
-            # An 8-bit second moment far below its block's largest rounds to 0 now and then, and a first moment
-            # that did not would then step by m / eps. In exact arithmetic v is 0 only after gradients of 0, and
-            # then m is 0 too: so it is made.
-            work[1].masked_fill_(work[2] == 0, 0.0)
-    else:
-        work = [tensor.contiguous() for tensor in written]
-    grad = item.grad.to(work[0].dtype).contiguous()
-    torch._fused_adamw_([work[0]], [grad], [work[1]], [work[2]], [], [item.step], lr=lr, beta1=betas[0],
-                        beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-                        found_inf=found_inf)
-    if rounded:
-        store_(_ADAMW_MOMENTS, written[1:], scales, work[1:], [item.rounding_count] * 2,
-               1.0 - found_inf.expand(2), [item.rounding_positions] * 2)  # the count moves once
+    work = [tensor.contiguous() for tensor in written]
+    if item.rounding_count is not None:
+        _fused_adamw_rounded_(item, work[0], found_inf, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         written, work = written[:1], work[:1]
+    else:
+        torch._fused_adamw_(work[:1], [item.grad.to(work[0].dtype).contiguous()], work[1:2], work[2:], [],
+                            [item.step], lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps,
+                            amsgrad=False, maximize=False, found_inf=found_inf)
     for original, result in zip(written, work):
         if result is not original:
             original.copy_(result)
+
+
+def _fused_adamw_rounded_(item: AdamWTensors, param: Tensor, found_inf: Tensor, *, lr: LearningRate,
+                          betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """torch's fused AdamW on float32 working copies of stochastically rounded moments (the kernel wants one dtype
+    for all its tensors: the parameter and gradient then too), ROUNDED_CHUNK entries at a time, whole blocks of
+    "int8" codes each; `param` is contiguous. The count moves once, as the moments' writes are one step."""
+    quantized = item.exp_avg_scales is not None
+    # (lines, line) views: an "int8" moment's blocks lie along its last dim, so chunks are whole lines of it.
+    line = param.shape[-1] if quantized else 1
+    lines = [tensor.reshape(-1, line) for tensor in (param, item.grad.reshape(param.shape).contiguous(),
+                                                     item.exp_avg, item.exp_avg_sq)]
+    scales = [None if scale is None else scale.view(-1, scale.shape[-1])
+              for scale in (item.exp_avg_scales, item.exp_avg_sq_scales)]
+    positions = None if item.rounding_positions is None else item.rounding_positions.reshape(-1, line)
+    taken = 1.0 - found_inf
+    rows = max(1, ROUNDED_CHUNK // line)
+    for first in range(0, lines[0].shape[0], rows):
+        chunk = slice(first, first + rows)
+        chunk_scales = [None if scale is None else scale[chunk] for scale in scales]
+        moments = [native.load_moment(key, moment[chunk], scale)
+                   for key, moment, scale in zip(_ADAMW_MOMENTS, lines[2:], chunk_scales)]
+        if quantized:
+            # An 8-bit second moment far below its block's largest rounds to 0 now and then, and a first moment
+            # that did not would then step by m / eps. In exact arithmetic v is 0 only after gradients of 0, and
+            # then m is 0 too: so it is made.
+            moments[0].masked_fill_(moments[1] == 0, 0.0)
+        param_chunk = lines[0][chunk]
+        work_param = param_chunk.float()
+        torch._fused_adamw_([work_param], [lines[1][chunk].float()], moments[:1], moments[1:], [], [item.step],
+                            lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False,
+                            maximize=False, found_inf=found_inf)
+        if work_param is not param_chunk:
+            param_chunk.copy_(work_param)
+        for key, moment, scale, values in zip(_ADAMW_MOMENTS, lines[2:], chunk_scales, moments):
+            native.store_moment_(key, moment[chunk], scale, values, item.rounding_count, taken,
+                                 None if positions is None else positions[chunk], first * line)
+    advance_counts_([item.rounding_count], taken.reshape(1))

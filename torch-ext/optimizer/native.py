@@ -1,5 +1,5 @@
-"""The compiled ops of this build variant: `muon_momentum_` and `finite_flags`, each with a pure-PyTorch fallback of
-the same semantics when it is absent, and `symmetric_gram_`, which exists only compiled (callers check
+"""The compiled ops of this build variant: `muon_momentum_`, `muon_momentum_rounded_`, `load_moment`, `store_moment_`
+and `finite_flags`, each with a pure-PyTorch fallback of the same semantics when it is absent, and `symmetric_gram_`, which exists only compiled (callers check
 has_compiled_symmetric_gram).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .state_precision import moment_code, working_copy, write_rounded_
+
 try:
     from ._ops import add_op_namespace_prefix, ops
 except ImportError:  # the plain source tree: no build, so no compiled ops
@@ -23,9 +25,12 @@ except ImportError:  # the plain source tree: no build, so no compiled ops
 logger = logging.getLogger(__name__)
 
 _MOMENTUM_OP = "muon_momentum_"
+_ROUNDED_MOMENTUM_OP = "muon_momentum_rounded_"
 _SYMMETRIC_GRAM_OP = "symmetric_gram_"
 _FINITE_FLAGS_OP = "finite_flags_"
-_OPS = (_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP)
+_LOAD_MOMENT_OP = "load_moment_"
+_STORE_MOMENT_OP = "store_moment_"
+_OPS = (_MOMENTUM_OP, _ROUNDED_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP, _LOAD_MOMENT_OP, _STORE_MOMENT_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -131,6 +136,55 @@ def muon_momentum_(momentum_buffers: list[Tensor], grads: list[Tensor], updates:
     return finite
 
 
+def muon_momentum_rounded_(momentum_buffers: list[Tensor], scales: list[Tensor | None], grads: list[Tensor],
+                           updates: list[Tensor], rounding_counts: list[Tensor], positions: list[Tensor | None],
+                           beta: float, nesterov: bool) -> Tensor:
+    """`muon_momentum_` on momentum stored in fewer bytes (see `state_precision`): momentum_buffers[i] is bfloat16
+    (scales[i] None) or int8 linear codes with float32 block scales scales[i]. The momentum is stepped in float32 from
+    its stored value, updates[i] is written from that float32 value, and the momentum is stored back stochastically
+    rounded, salted by rounding_counts[i] (int64, one element) and each entry's index in the whole tensor,
+    positions[i] (contiguous int64; None: the tensor is whole). A non-finite gradient leaves the stored momentum as it
+    is and zeroes the update. The counts are not moved (the caller knows whether other ranks agreed).
+
+    Returns the float32 (N,) finite flags on the grads' device, computed without a host sync."""
+    device = _common_device(momentum_buffers, grads, updates)
+    finite = torch.empty(len(grads), dtype=torch.float32, device=device)
+    compiled = _compiled_op(_ROUNDED_MOMENTUM_OP, device.type)
+    if compiled is not None:
+        compiled(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions, beta, nesterov)
+    else:
+        _muon_momentum_rounded_fallback(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions,
+                                        beta, nesterov)
+    return finite
+
+
+def load_moment(key: str, stored: Tensor, scales: Tensor | None) -> Tensor:
+    """The float32 values of the moment `key` stored in fewer bytes (bfloat16, or int8 codes with their block
+    scales; see `state_precision`), as a new contiguous tensor."""
+    compiled = _compiled_op(_LOAD_MOMENT_OP, stored.device.type)
+    if compiled is None:
+        return working_copy(key, stored, scales)
+    out = torch.empty(stored.shape, dtype=torch.float32, device=stored.device)
+    compiled(out, stored, scales, moment_code(key, scales))
+    return out
+
+
+def store_moment_(key: str, stored: Tensor, scales: Tensor | None, values: Tensor, rounding_count: Tensor,
+                  taken: Tensor, positions: Tensor | None, position_offset: int = 0) -> None:
+    """The moment `key` <- values (float32), rounded at random with bits salted by rounding_count and each entry's
+    index in the whole tensor: positions (int64), or position_offset + its own index. Where taken (one float32) is
+    0.0, nothing is written. The count is not moved."""
+    compiled = _compiled_op(_STORE_MOMENT_OP, stored.device.type)
+    if compiled is not None:
+        compiled(stored, scales, values.contiguous(), rounding_count, positions, position_offset, taken,
+                 moment_code(key, scales))
+        return
+    if positions is None and position_offset:
+        positions = torch.arange(position_offset, position_offset + values.numel(), device=values.device)
+        positions = positions.view(values.shape)
+    write_rounded_(key, stored, scales, values, rounding_count, taken.reshape(()), positions)
+
+
 def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     """(N,) float32 on the tensors' device: 1.0 where tensors[i] holds no NaN or Inf, else 0.0; no host sync.
 
@@ -213,3 +267,20 @@ def _muon_momentum_fallback(momentum_buffers: list[Tensor], grads: list[Tensor],
         new_buffer = buffer.to(opmath)
         step = torch.lerp(grad_math, new_buffer, beta) if nesterov else new_buffer
         update.copy_(torch.where(grad_finite, step, 0.0))
+
+
+def _muon_momentum_rounded_fallback(momentum_buffers: list[Tensor], scales: list[Tensor | None], grads: list[Tensor],
+                                    updates: list[Tensor], finite: Tensor, rounding_counts: list[Tensor],
+                                    positions: list[Tensor | None], beta: float, nesterov: bool) -> None:
+    """Float32 working copies through `_muon_momentum_fallback`, stored back rounded where the step was taken."""
+    if not len(scales) == len(rounding_counts) == len(positions) == len(momentum_buffers):
+        raise ValueError(f"muon_momentum_rounded_: scales, rounding_counts and positions have {len(scales)}, "
+                         f"{len(rounding_counts)} and {len(positions)} entries but momentum_buffers has "
+                         f"{len(momentum_buffers)}")
+    work = [working_copy("momentum_buffer", buffer, scale) for buffer, scale in zip(momentum_buffers, scales)]
+    float_grads = [grad.float() for grad in grads]
+    _check_momentum_args(work, float_grads, updates, beta)
+    _muon_momentum_fallback(work, float_grads, updates, finite, beta, nesterov)
+    for buffer, scale, value, count, flag, position in zip(momentum_buffers, scales, work, rounding_counts,
+                                                           finite.unbind(), positions):
+        write_rounded_("momentum_buffer", buffer, scale, value, count, flag, position)

@@ -85,6 +85,16 @@ def scales_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return (*shape[:-1], math.ceil(shape[-1] / BLOCK))
 
 
+def moment_code(key: str, scales: Tensor | None) -> str:
+    """The stored form of moment `key` as the compiled ops name it: "bfloat16", or for "int8" state "linear" (codes
+    -127..127), "e4m3" or "e4m3_root" (e4m3 values of the square root)."""
+    if scales is None:
+        return "bfloat16"
+    if key in _LINEAR_CODED:
+        return "linear"
+    return "e4m3_root" if key in _STORED_AS_ROOT else "e4m3"
+
+
 def working_copy(key: str, stored: Tensor, scales: Tensor | None) -> Tensor:
     """The float32 values of the stored moment `key` (a new tensor)."""
     if scales is None:
@@ -102,24 +112,36 @@ def store_(keys: Sequence[str], stored: Sequence[Tensor], scales: Sequence[Tenso
     count listed several times (one parameter's two moments) moves once."""
     for key, state, scale, value, count, step_taken, position in zip(keys, stored, scales, values, rounding_counts,
                                                                      taken.unbind(), positions):
-        if position is None:
-            position = torch.arange(value.numel(), dtype=_index_dtype(value.numel()), device=value.device)
-            position = position.view(value.shape)
-        if scale is None:  # a skipped step's values are the stored ones, which round to themselves
-            state.copy_(_stochastically_rounded(value, _random_bits(count, position), state.dtype))
-        else:
-            if key in _LINEAR_CODED:
-                codes, new_scales = _quantized(value, count, position, _LINEAR_MAX, _linear_codes)
-            else:
-                root = value.sqrt() if key in _STORED_AS_ROOT else value
-                codes, new_scales = _quantized(root, count, position, _CODE_MAX, _e4m3_codes)
-            state.copy_(torch.where(step_taken > 0, codes, state))
-            scale.copy_(torch.where(step_taken > 0, new_scales, scale))
+        write_rounded_(key, state, scale, value, count, step_taken, position)
     moved: dict[int, tuple[Tensor, Tensor]] = {}
     for count, step_taken in zip(rounding_counts, taken.unbind()):
         moved.setdefault(id(count), (count, step_taken))
-    for count, step_taken in moved.values():
-        count.add_(step_taken.to(count.dtype))
+    advance_counts_([count for count, _ in moved.values()], torch.stack([flag for _, flag in moved.values()]))
+
+
+def write_rounded_(key: str, stored: Tensor, scale: Tensor | None, value: Tensor, rounding_count: Tensor,
+                   taken: Tensor, position: Tensor | None) -> None:
+    """One moment of `store_`, leaving its count as it is."""
+    if position is None:
+        position = torch.arange(value.numel(), dtype=_index_dtype(value.numel()), device=value.device)
+        position = position.view(value.shape)
+    if scale is None:
+        rounded = _stochastically_rounded(value, _random_bits(rounding_count, position), stored.dtype)
+        stored.copy_(torch.where(taken > 0, rounded, stored))
+        return
+    if key in _LINEAR_CODED:
+        codes, new_scales = _quantized(value, rounding_count, position, _LINEAR_MAX, _linear_codes)
+    else:
+        root = value.sqrt() if key in _STORED_AS_ROOT else value
+        codes, new_scales = _quantized(root, rounding_count, position, _CODE_MAX, _e4m3_codes)
+    stored.copy_(torch.where(taken > 0, codes, stored))
+    scale.copy_(torch.where(taken > 0, new_scales, scale))
+
+
+def advance_counts_(rounding_counts: Sequence[Tensor], taken: Tensor) -> None:
+    """Each count of rounded writes moves by its parameter's taken flag (0.0 or 1.0)."""
+    if rounding_counts:
+        torch._foreach_add_(list(rounding_counts), list(taken.to(rounding_counts[0].dtype).unbind()))
 
 
 def _quantized(value: Tensor, count: Tensor, position: Tensor, largest_code: float,

@@ -1,0 +1,79 @@
+#pragma once
+// Writing a moment as int8 codes with one scale per block, shared by the CPU momentum op and `store_moment_`: where
+// each block lies, where each entry's random bits come from, and the encoding of one block.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
+
+#include "../common/stochastic_rounding.h"
+#include "torch_binding.h"
+
+namespace muon_cpu {
+
+// The codes' geometry: lines of `line` entries (the last dim), each cut into blocks of kRoundedBlock, the last one
+// maybe partial; block b's scale is the b-th of the contiguous scales.
+struct Blocks {
+  int64_t line;
+  int64_t per_line;
+
+  Blocks(const at::Tensor& stored, const at::Tensor& scales) : line(stored.size(-1)), per_line(scales.size(-1)) {}
+
+  int64_t first(int64_t block) const { return block / per_line * line + block % per_line * kRoundedBlock; }
+  int64_t length(int64_t block) const { return std::min(kRoundedBlock, line - block % per_line * kRoundedBlock); }
+};
+
+// Where the random bits of entry j come from: its index in the whole tensor and the count of rounded writes.
+struct Salt {
+  int64_t rounding_count;
+  const int64_t* positions;  // null: the entry's index plus position_offset
+  int64_t position_offset;
+
+  uint32_t bits(int64_t j) const {
+    return muon_rounding::random_bits(positions == nullptr ? position_offset + j : positions[j], rounding_count);
+  }
+};
+
+// Codes [first, first + length) <- values[0, length) (already in coded form: the square root for kE4m3Root), with
+// the block's new scale: its largest magnitude over the largest code. One loop per stage, so each vectorizes.
+C10_ALWAYS_INLINE void store_block(int8_t* __restrict__ codes, float* __restrict__ scale,
+                                   const float* __restrict__ values, int64_t first, int64_t length, MomentCode kind,
+                                   const Salt& salt) {
+  // The largest magnitude as the largest of the magnitudes' bit patterns, which order as the values do, a NaN above
+  // all (so it wins, as in torch.amax): an integer max, which vectorizes where a float max with NaNs does not.
+  uint32_t largest_bits = 0;
+  for (int64_t t = 0; t < length; ++t) {
+    largest_bits = std::max(largest_bits, muon_rounding::float_bits(values[t]) & 0x7FFFFFFFu);
+  }
+  const float largest = muon_rounding::bits_float(largest_bits);
+  uint32_t bits[kRoundedBlock];
+  if (salt.positions == nullptr) {
+    for (int64_t t = 0; t < length; ++t) {
+      bits[t] = muon_rounding::random_bits(salt.position_offset + first + t, salt.rounding_count);
+    }
+  } else {
+    for (int64_t t = 0; t < length; ++t) {
+      bits[t] = muon_rounding::random_bits(salt.positions[first + t], salt.rounding_count);
+    }
+  }
+  int8_t* __restrict__ block = codes + first;
+  if (kind == MomentCode::kLinear) {
+    const float new_scale = largest / muon_rounding::kLinearMax;
+    for (int64_t t = 0; t < length; ++t) {
+      block[t] = muon_rounding::linear_code(values[t], new_scale, bits[t]);
+    }
+    *scale = new_scale;
+    return;
+  }
+  const float new_scale = largest / muon_rounding::kE4m3Max;
+  const bool scaled = new_scale > 0.0f;
+  const float divisor = scaled ? new_scale : 1.0f;
+  for (int64_t t = 0; t < length; ++t) {
+    block[t] = static_cast<int8_t>(muon_rounding::e4m3_code(scaled ? values[t] / divisor : 0.0f, bits[t]));
+  }
+  *scale = new_scale;
+}
+
+}  // namespace muon_cpu

@@ -1,0 +1,48 @@
+#pragma once
+// The element math both CPU momentum kernels share: torch.lerp's formula and the stores that round to a dtype.
+#include <cstdint>
+
+#include <ATen/OpMathType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/bit_cast.h>
+#include <c10/macros/Macros.h>
+
+namespace muon_cpu {
+
+// torch.lerp's formula, weight < 0.5 ? start + weight * (end - start) : end - (end - start) * (1 - weight), with
+// the weight rounded to opmath_t first as torch does (for weight in [0.5, 1], 1 - weight and weight - 1 are both
+// exact), but with the choice made once per call rather than per element, so the loops vectorize. The AVX2 clone
+// may fuse the multiply-add, as torch's own vectorized lerp does: one rounding fewer.
+template <typename opmath_t>
+struct Lerp {
+  explicit Lerp(double weight)
+      : from_start(static_cast<opmath_t>(weight) < opmath_t(0.5)),
+        coefficient(from_start ? static_cast<opmath_t>(weight) : static_cast<opmath_t>(weight) - opmath_t(1)) {}
+
+  opmath_t operator()(opmath_t start, opmath_t end) const {
+    return (from_start ? start : end) + coefficient * (end - start);
+  }
+
+  bool from_start;
+  opmath_t coefficient;
+};
+
+// Rounds value to T, stores it, and returns the stored value widened back (what a later reader of *dst sees).
+template <typename T, typename opmath_t>
+C10_ALWAYS_INLINE opmath_t store(T* dst, opmath_t value) {
+  *dst = static_cast<T>(value);
+  return static_cast<opmath_t>(*dst);
+}
+
+// bfloat16 stores its raw bits: assigning the c10 struct is a struct copy, which GCC does not vectorize, and
+// c10::BFloat16's rounding returns early for NaN, a branch that also blocks it. This is the same
+// round-to-nearest-even with NaN as a select (4x faster loops, measured).
+template <>
+C10_ALWAYS_INLINE float store<c10::BFloat16, float>(c10::BFloat16* dst, float value) {
+  const uint32_t bits = c10::bit_cast<uint32_t>(value);
+  const uint32_t rounded = value != value ? 0x7FC0u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  dst->x = static_cast<uint16_t>(rounded);
+  return c10::bit_cast<float>(rounded << 16);
+}
+
+}  // namespace muon_cpu

@@ -1,0 +1,40 @@
+#pragma once
+// What the kernels that write int8 codes with one float32 scale per block share (muon_momentum_rounded.cu,
+// moment_codes.cu): where each entry's random bits come from, and the block's largest magnitude taken over a CTA.
+#include <cstdint>
+
+namespace muon_cuda {
+
+constexpr int kWarp = 32;
+
+// Entry j's position for the random bits: positions[j] (int64), or offset + j where there are no positions.
+struct Positions {
+  const int64_t* data;  // null: offset + the entry's flat index
+  int64_t offset;
+  __device__ __forceinline__ int64_t operator()(int64_t j) const { return data == nullptr ? offset + j : data[j]; }
+};
+
+// torch.amax's max: a NaN wins (the scale is then NaN, and the block's codes 0, as torch.where gives them).
+__device__ __forceinline__ float max_with_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// The largest of x over a CTA of kCtaThreads threads (whole warps), returned to every thread. Every thread of the CTA
+// must call it (it synchronizes); `partial` holds kCtaThreads / kWarp values and is free again when it returns.
+template <int kCtaThreads>
+__device__ __forceinline__ float block_max(float x, float* partial) {
+  static_assert(kCtaThreads % kWarp == 0 && kCtaThreads <= 1024, "a CTA of whole warps");
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    x = max_with_nan(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  }
+  if (threadIdx.x % kWarp == 0) {
+    partial[threadIdx.x / kWarp] = x;
+  }
+  __syncthreads();
+  float result = partial[0];
+  for (int warp = 1; warp < kCtaThreads / kWarp; ++warp) {
+    result = max_with_nan(result, partial[warp]);
+  }
+  __syncthreads();  // every thread has read `partial` before the next call writes it
+  return result;
+}
+
+}  // namespace muon_cuda
