@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import replace
@@ -20,8 +21,10 @@ from .distributed.dtensors import local_or_none, local_tensor, placed_like, spli
 from .distributed.finite import found_inf_flags
 from .distributed.layout import shard_positions
 from .distributed.step import distributed_muon_update, is_spread
-from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, by_device, muon_update
+from .functional import (ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, buckets as functional_buckets,
+                         by_device, muon_update)
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
+from .offload import OFFLOAD_TARGETS, CudaCopier, home_device, keep_at_home, offloaded, run_staged
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
@@ -286,6 +289,17 @@ def _keep_moments(state: dict[str, Any], param: Tensor, keys: tuple[str, ...], f
             local_tensor(state[key]).copy_(previous)
 
 
+def _staged_by_device(items: list[Any], grouped: Callable[[list[Any]], list[list[Any]]],
+                      update: Callable[[list[Any]], None]) -> None:
+    """update(items), or with offloaded state, update per group of `grouped(items)` with the state streamed to the
+    parameters' GPU a group ahead (see `offload.run_staged`)."""
+    if not any(offloaded(item) for item in items):
+        update(items)
+        return
+    for device, device_items in by_device(items).items():
+        run_staged(grouped(device_items), update, CudaCopier(device))
+
+
 def _local_adamw_item(item: AdamWTensors) -> AdamWTensors:
     """A DTensor parameter's AdamW tensors as this rank's shards (plain tensors pass through)."""
     positions = None if item.rounding_count is None else shard_positions(item.param)
@@ -361,6 +375,11 @@ class Muon(Optimizer):
             their last dim keep bfloat16). The moments are stepped in float32 and
             stored back with stochastic rounding, so small updates are not lost; the count of rounded writes is
             state "rounding_count". A group's moments follow a change of its state_dtype at its next step.
+        offload: None or "cpu": the moments (Muon's momentum, AdamW's two, their block scales, NorMuon's second
+            moment) of parameters on a GPU live in pinned host memory; each step streams them to the GPU one bucket
+            of matrices (one AdamW tensor) at a time on a side stream, the next one's copy overlapping this one's
+            update, and writes them back. The GPU then holds about two buckets' state. On CPU parameters, and for
+            DTensor parameters (not yet), it moves nothing and says so once. Not a per-group option.
         normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
             (timm's option; its default is True, ours False: under "match_rms_adamw" both conv modes then give every
             entry AdamW's RMS).
@@ -398,7 +417,7 @@ class Muon(Optimizer):
                  normalization: str | None = None, safety_factor: float = 1.0, scale_eps: bool = False,
                  capturable: bool = False, verbose: bool = False, state_dtype: torch.dtype | str | None = None,
                  betas: tuple[float, float] | None = None, fallback_lr_scale: float | None = None,
-                 algo: str | None = None) -> None:
+                 algo: str | None = None, offload: str | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
                         ns_algorithm=ns_algorithm, conv_mode=conv_mode, normalize_spatial=normalize_spatial,
@@ -419,7 +438,10 @@ class Muon(Optimizer):
         self.process_group = process_group
         check_threshold(qk_clip_threshold)
         self.qk_clip_threshold = qk_clip_threshold
+        _check_choice("offload", offload, OFFLOAD_TARGETS)
+        self.offload = offload
         super().__init__(params, defaults)
+        self._say_where_offload_applies()
         # Attributes too: they hold parameters, and names resolve only once the groups (and their names) exist.
         self.qk_clip = resolve_layers(qk_clip or {}, self._named_params())
 
@@ -427,13 +449,29 @@ class Muon(Optimizer):
         # torch saves defaults, state and param_groups; the QK-clip layers and the process group are attributes.
         process_group = None if self.process_group is None else _PROCESS_GROUP_NOT_SAVED
         return {**super().__getstate__(), "qk_clip": self.qk_clip, "qk_clip_threshold": self.qk_clip_threshold,
-                "process_group": process_group}
+                "process_group": process_group, "offload": self.offload}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("offload", None)  # a copy from before the option existed
         for group in self.param_groups:  # a copy from before an option existed gets its default
             for key, value in self._option_defaults().items():
                 group.setdefault(key, value)
+
+    def _say_where_offload_applies(self) -> None:
+        """offload="cpu" moves the state of plain parameters on an accelerator; it says once when it moves none."""
+        params = [param for group in self.param_groups for param in group["params"]]
+        if self.offload is None or any(home_device(param, self._offload_for(param)) != param.device
+                                       for param in params):
+            return
+        reason = ("every parameter is on the CPU already" if all(param.device.type == "cpu" for param in params)
+                  else "DTensor parameters, and parameters shared over a process_group, keep their state on their "
+                  "devices (not yet offloaded)")
+        warnings.warn(f"Muon: offload={self.offload!r} has no effect here: {reason}", stacklevel=3)
+
+    def _offload_for(self, param: Tensor) -> str | None:
+        """The offload target for a parameter's state: the distributed step keeps its state on its device."""
+        return None if is_spread(param, self.process_group) else self.offload
 
     def _option_defaults(self) -> dict[str, Any]:
         """This optimizer's options with their defaults: `self.defaults` without the `differentiable` flag that
@@ -540,37 +578,49 @@ class Muon(Optimizer):
         for param in group["params"]:
             if param.grad is None:
                 continue
-            state = self.state[param]
-            if "nonfinite_skips" not in state:
-                state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64, device=param.device)
-            rounding_count = None
-            if rounds_stochastically(group["state_dtype"]):
-                if "rounding_count" not in state:
-                    state["rounding_count"] = torch.zeros((), dtype=torch.int64, device=param.device)
-                rounding_count = state["rounding_count"]
-            form = _moment_form(param, group["state_dtype"])
-            if self._uses_muon(group, param):
-                _keep_moments(state, param, ("momentum_buffer",), form, rounding_count)
-                view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
-                item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"], view,
+            uses_muon = self._uses_muon(group, param)
+            state = self._prepared_state(group, param, uses_muon)
+            rounding_count = state.get("rounding_count") if rounds_stochastically(group["state_dtype"]) else None
+            if uses_muon:
+                item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"],
+                                   matrix_view(param.shape, group["param_layout"], group["conv_mode"]),
                                    rounding_count=rounding_count,
                                    momentum_scales=state.get(scale_key("momentum_buffer")))
                 if group["normalization"] is not None:
-                    if "update_sq" not in state:
-                        state["update_sq"] = zeros_like_resized(
-                            param, second_moment_shape(param.shape, view, group["normalization"]),
-                            moment_dtype(param.dtype))
-                        state["update_step"] = torch.zeros((), dtype=torch.float32, device=param.device)
                     item.second_moment, item.update_step = state["update_sq"], state["update_step"]
                 muon_items.append(item)
             else:
-                if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-                _keep_moments(state, param, ("exp_avg", "exp_avg_sq"), form, rounding_count)
                 adamw_items.append(AdamWTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"],
                                                 state["step"], state["nonfinite_skips"], rounding_count,
                                                 state.get(scale_key("exp_avg")), state.get(scale_key("exp_avg_sq"))))
         return muon_items, adamw_items
+
+    def _prepared_state(self, group: dict[str, Any], param: Tensor, uses_muon: bool) -> dict[str, Any]:
+        """A parameter's state as this step needs it: created where missing, its moments in the group's state_dtype,
+        and with offload, the moments in pinned host memory (where they are created or loaded, on its device)."""
+        state = self.state[param]
+        if "nonfinite_skips" not in state:
+            state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64, device=param.device)
+        rounding_count = None
+        if rounds_stochastically(group["state_dtype"]):
+            if "rounding_count" not in state:
+                state["rounding_count"] = torch.zeros((), dtype=torch.int64, device=param.device)
+            rounding_count = state["rounding_count"]
+        form = _moment_form(param, group["state_dtype"])
+        if uses_muon:
+            _keep_moments(state, param, ("momentum_buffer",), form, rounding_count)
+            if group["normalization"] is not None and "update_sq" not in state:
+                view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
+                state["update_sq"] = zeros_like_resized(
+                    param, second_moment_shape(param.shape, view, group["normalization"]), moment_dtype(param.dtype))
+                state["update_step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+        else:
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            _keep_moments(state, param, ("exp_avg", "exp_avg_sq"), form, rounding_count)
+        if self.offload is not None:
+            keep_at_home(state, home_device(param, self._offload_for(param)))
+        return state
 
     def _muon_step(self, group: dict[str, Any], items: list[MuonTensors]) -> None:
         if not items:
@@ -589,7 +639,7 @@ class Muon(Optimizer):
         for item in items:
             (spread if is_spread(item.param, self.process_group) else local).append(item)
         if local:
-            muon_update(local, **settings)
+            _staged_by_device(local, functional_buckets, lambda bucket: muon_update(bucket, **settings))
         if spread:
             distributed_muon_update(spread, process_group=self.process_group, comm_dtype=group["comm_dtype"],
                                     chunk_size=group["chunk_size"], **settings)
@@ -610,7 +660,11 @@ class Muon(Optimizer):
             # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
             # The update itself is elementwise: each rank runs it on its own shards, as plain tensors.
             found_inf = found_inf_flags([item.grad for item in device_items])
-            adamw_update([_local_adamw_item(item) for item in device_items], found_inf, **settings)
+            local_items = [_local_adamw_item(item) for item in device_items]
+            flag_of = {id(item.param): index for index, item in enumerate(local_items)}
+            _staged_by_device(local_items, lambda items: [[item] for item in items],
+                              lambda one: adamw_update(one, found_inf[[flag_of[id(item.param)] for item in one]],
+                                                       **settings))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,

@@ -1,0 +1,121 @@
+"""`offload="cpu"`: the schedule that streams state to the device a group ahead (with a recording copier standing in
+for the GPU's side stream, so it runs here), its results against the same optimizer without offload, the CPU-only
+no-op, and on a GPU the real thing."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from kernel_under_test import optimizer, submodule
+
+Muon = optimizer.Muon
+muon_module = submodule(optimizer, "muon")
+HAS_CUDA = torch.cuda.is_available()
+
+
+class RecordingCopier:
+    """The CUDA copier's interface, synchronous: fetches clone (the "device" copies), write-backs copy into the homes.
+    An update that read or wrote the homes instead of the copies would leave the homes unstepped."""
+
+    def __init__(self, log: list[tuple]) -> None:
+        self.log, self.fetches = log, 0
+
+    def fetch(self, homes: list[torch.Tensor], device: torch.device) -> tuple[int, list[torch.Tensor]]:
+        self.log.append(("fetch", self.fetches))
+        self.fetches += 1
+        return self.fetches - 1, [home.clone() for home in homes]
+
+    def ready(self, handle: tuple[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+        self.log.append(("ready", handle[0]))
+        return handle[1]
+
+    def write_back(self, copies: list[torch.Tensor], homes: list[torch.Tensor]) -> None:
+        self.log.append(("write_back",))
+        for copy, home in zip(copies, homes):
+            home.copy_(copy)
+
+    def finish(self) -> None:
+        self.log.append(("finish",))
+
+
+def _model_params(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(32, 16), (32, 16), (24, 16), (16, 48), (48,), (16,)]
+    return [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
+
+
+def _train(params: list[torch.Tensor], steps: int, **options) -> Muon:
+    opt = Muon(params, lr=0.02, **options)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("state_dtype", [None, "int8"])
+def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, state_dtype) -> None:
+    log: list[tuple] = []
+    monkeypatch.setattr(muon_module, "offloaded", lambda item: True)  # every item streams, as on a GPU
+    monkeypatch.setattr(muon_module, "CudaCopier", lambda device: RecordingCopier(log))
+    for name in ("muon_update", "adamw_update"):
+        update = getattr(muon_module, name)
+        monkeypatch.setattr(muon_module, name, lambda *args, _update=update, **kwargs: (log.append(("update",)),
+                                                                                          _update(*args, **kwargs)))
+    staged_params, plain_params = _model_params(0), _model_params(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU-only notice, tested below
+        staged = _train(staged_params, 3, state_dtype=state_dtype, offload="cpu")
+    monkeypatch.undo()
+    plain = _train(plain_params, 3, state_dtype=state_dtype)
+    for staged_param, plain_param in zip(staged_params, plain_params):
+        assert torch.equal(staged_param, plain_param)
+        for key, value in plain.state[plain_param].items():
+            assert torch.equal(staged.state[staged_param][key], value), key
+    # Per step: Muon's three buckets ((32, 16) twice, (24, 16), (16, 48)), then AdamW's two tensors one at a time.
+    # Group i + 1's fetch is issued before group i's update, and group i's write-back after it.
+    muon_schedule = ["fetch", "ready", "fetch", "update", "write_back", "ready", "fetch", "update", "write_back",
+                     "ready", "update", "write_back", "finish"]
+    adamw_schedule = ["fetch", "ready", "fetch", "update", "write_back", "ready", "update", "write_back", "finish"]
+    assert [entry[0] for entry in log] == (muon_schedule + adamw_schedule) * 3
+
+
+def test_offload_on_cpu_parameters_is_a_noop_that_says_so_once() -> None:
+    with pytest.warns(UserWarning, match="offload='cpu' has no effect here: every parameter is on the CPU") as notes:
+        opt = _train(_model_params(0), 2, offload="cpu")
+    assert len(notes) == 1
+    reference_params = _model_params(0)
+    reference = _train(reference_params, 2)
+    for param, reference_param in zip(opt.param_groups[0]["params"], reference_params):
+        assert torch.equal(param, reference_param)
+    assert all(value.device.type == "cpu" for state in opt.state.values() for value in state.values())
+    assert reference.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def test_an_unknown_offload_target_is_refused() -> None:
+    with pytest.raises(ValueError, match="offload"):
+        Muon(_model_params(0), offload="disk")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, "int8"])
+def test_offloaded_state_lives_pinned_on_the_host_and_steps_as_on_the_gpu(state_dtype) -> None:
+    offloaded_params = [param.detach().cuda().requires_grad_() for param in _model_params(0)]
+    resident_params = [param.detach().cuda().requires_grad_() for param in _model_params(0)]
+    offloaded = _train(offloaded_params, 3, state_dtype=state_dtype, offload="cpu")
+    resident = _train(resident_params, 3, state_dtype=state_dtype)
+    for param, resident_param in zip(offloaded_params, resident_params):
+        torch.testing.assert_close(param, resident_param, rtol=0, atol=0)
+        for key in submodule(optimizer, "offload").OFFLOADED_STATE:
+            if key in offloaded.state[param]:
+                value = offloaded.state[param][key]
+                assert value.device.type == "cpu" and value.is_pinned(), key
+                assert torch.equal(value, resident.state[resident_param][key].cpu()), key
+    loaded = Muon(offloaded_params, lr=0.02, state_dtype=state_dtype, offload="cpu")
+    loaded.load_state_dict(offloaded.state_dict())
+    loaded.step()  # a checkpoint loads onto the parameters' device; the step moves the moments home again
+    assert all(value.device.type == "cpu" for state in loaded.state.values()
+               for key, value in state.items() if key in submodule(optimizer, "offload").OFFLOADED_STATE)
