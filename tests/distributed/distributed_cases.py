@@ -221,6 +221,38 @@ INT8_ATOL = 1e-2
 LONE_STRIDED_SHARD_ACCEPTED = TorchVersion(torch.__version__) >= "2.13"
 
 
+def _traffic_of_one_step(opt: Muon) -> tuple[int, int]:
+    """(bytes sent to, bytes received from) other ranks in one step, counted at each all-to-all the pipeline
+    launches (a rank's split to itself is always empty)."""
+    original = dist.all_to_all_single
+    traffic = [0, 0]
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        traffic[0] += input.numel() * input.element_size()
+        traffic[1] += output.numel() * output.element_size()
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counting
+    try:
+        opt.step()
+    finally:
+        dist.all_to_all_single = original
+    return traffic[0], traffic[1]
+
+
+def plan_step_bytes_case(world: int, placements: Sequence[Placement], **options) -> None:
+    """optimizer.plan_step's bytes per rank are the bytes the step sends and receives, exactly."""
+    mesh = init_device_mesh("cpu", (world,))
+    params = [distribute_tensor(t, mesh, placements, src_data_rank=None) for t in randn_tensors(SHAPES, seed=0)]
+    for param, grad in zip(params, randn_tensors(SHAPES, seed=1)):
+        param.grad = distribute_tensor(grad, mesh, placements, src_data_rank=None)
+    sent, received = _traffic_of_one_step(Muon(params, lr=LR, **options))
+    plan = optimizer.plan_step(SHAPES, world, placements=placements, **options)
+    rank = dist.get_rank()
+    assert (sent, received) == (plan.bytes_sent_per_rank[rank], plan.bytes_received_per_rank[rank]), \
+        (sent, received, plan)
+
+
 def cases_for(world: int) -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {
         "fsdp2_fully_shard": partial(fsdp2_case, world),
@@ -259,6 +291,10 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         # Shard(1) splits a matrix's last dim, where "int8" keeps bfloat16 (one device keeps 8-bit codes); the
         # expert bank's Shard(1) splits its rows and keeps codes.
         "shard1_int8_state": partial(dtensor_case, (world,), [Shard(1)], atol=INT8_ATOL, state_dtype="int8"),
+        # The cost model's bytes against the step's own traffic: default chunks and bf16, one matrix per chunk in fp32.
+        "plan_step_bytes_shard0": partial(plan_step_bytes_case, world, [Shard(0)]),
+        "plan_step_bytes_shard1_fp32_one_per_chunk": partial(plan_step_bytes_case, world, [Shard(1)],
+                                                              comm_dtype=torch.float32, chunk_size=1),
     }
     if LONE_STRIDED_SHARD_ACCEPTED:
         cases["strided_shard1_1d"] = partial(dtensor_case, (world,), [_StridedShard(1, split_factor=2)])

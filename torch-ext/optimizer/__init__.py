@@ -2,6 +2,7 @@
 
 from .coefficients import polar_express_coefficients
 from .dispatch import gram, kernel_choice
+from .distributed.cost_model import DeviceModel, StepPlan, plan_step
 from .muon import Muon
 from .native import ops_summary
 from .newton_schulz import zeropower
@@ -10,6 +11,7 @@ from .qk_clip import QKClipLayer, qk_clip_
 from .routing import muon_param_groups
 
 __all__ = [
-    "Muon", "NsDtypeChoice", "QKClipLayer", "default_ns_dtype", "gram", "kernel_choice", "muon_param_groups",
-    "ns_dtype_choice", "ops_summary", "polar_express_coefficients", "qk_clip_", "zeropower",
+    "DeviceModel", "Muon", "NsDtypeChoice", "QKClipLayer", "StepPlan", "default_ns_dtype", "gram", "kernel_choice",
+    "muon_param_groups", "ns_dtype_choice", "ops_summary", "plan_step", "polar_express_coefficients", "qk_clip_",
+    "zeropower",
 ]

@@ -1,4 +1,5 @@
-"""Which rank orthogonalizes which matrix: balanced Newton-Schulz work, decided identically on every rank."""
+"""Which rank orthogonalizes which matrix, and in which chunks: balanced Newton-Schulz work, decided identically on
+every rank (and by `plan_step`, which predicts a step from the same decisions)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import heapq
 from collections.abc import Sequence
 
 from ..routing import MatrixView
+from .layout import ShardLayout
+
+# Each rank owns about this many matrices per chunk: enough for the owner to batch same-shape matrices, few enough
+# that a step has several chunks whose communication and compute overlap.
+MATRICES_PER_RANK_PER_CHUNK = 2
 
 
 def newton_schulz_cost(view: MatrixView) -> int:
@@ -39,3 +45,24 @@ def by_decreasing_cost(costs: Sequence[int]) -> list[int]:
     """Item indices, largest cost first (stable), the order chunks are cut in: each chunk then spreads its work
     over the ranks the way `assign_owners` spread the whole step's."""
     return sorted(range(len(costs)), key=lambda i: -costs[i])
+
+
+def newton_schulz_flops(view: MatrixView, steps: int) -> int:
+    """Floating-point operations of `steps` standard Newton-Schulz steps on the view's matrices: per step and matrix,
+    X Xᵀ and (b A + c A²) X at 2 m² n each, and A² at 2 m³ (m <= n): twice `newton_schulz_cost` per step."""
+    return 2 * steps * newton_schulz_cost(view)
+
+
+def holds_whole_matrices(view: MatrixView, layout: ShardLayout) -> bool:
+    """Whether the parameter is split, but only between whole matrices (an expert bank sharded on its expert
+    dim): then each rank can orthogonalize its own matrices, exactly as one device would, without transfers."""
+    batch_dims = view.batch_dims(len(layout.shape))
+    return layout.is_sharded and all(dim in batch_dims for dim in layout.split_dims)
+
+
+def chunked_owners(costs: Sequence[int], world: int, chunk_size: int | None) -> tuple[list[int], list[list[int]]]:
+    """The owner rank of each item and the chunks the pipeline runs them in (item indices, largest cost first;
+    `chunk_size` items each, None: MATRICES_PER_RANK_PER_CHUNK per rank)."""
+    ordered = by_decreasing_cost(costs)
+    size = chunk_size or MATRICES_PER_RANK_PER_CHUNK * world
+    return assign_owners(costs, world), [ordered[start:start + size] for start in range(0, len(ordered), size)]

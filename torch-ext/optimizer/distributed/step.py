@@ -16,16 +16,11 @@ from ..functional import LearningRate, MuonTensors, muon_update
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
-from .assignment import assign_owners, by_decreasing_cost, newton_schulz_cost
+from .assignment import chunked_owners, holds_whole_matrices, newton_schulz_cost
 from .dtensors import is_dtensor, is_shard, local_or_none, local_tensor, placed_like
 from .finite import finite_everywhere
 from .layout import ShardLayout, replicated_layout, shard_positions, sharded_layout
 from .pipeline import SpreadItem, SpreadSettings, chunk_pipeline, run_staggered
-
-# Each rank owns about this many matrices per chunk: enough for the owner to batch same-shape matrices, few enough
-# that a step has several chunks whose communication and compute overlap.
-_MATRICES_PER_RANK_PER_CHUNK = 2
-
 
 def is_spread(param: Tensor, process_group: dist.ProcessGroup | None) -> bool:
     """Whether the distributed step handles this parameter: a DTensor, or any tensor when a group is given."""
@@ -47,7 +42,7 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         rank, world = comm.rank_and_world(group)
         layouts = [_layout(item.param, group, dims, world) for item in group_items]
         grads, everywhere = _agreed_local_grads(group_items, layouts, group)
-        in_place = [_holds_whole_matrices(item, layout) and not rms_rule
+        in_place = [holds_whole_matrices(item.view, layout) and not rms_rule
                     for item, layout in zip(group_items, layouts)]
         _update_in_place([(item, grad, flag) for item, grad, flag, local in
                           zip(group_items, grads, everywhere.unbind(), in_place) if local],
@@ -59,14 +54,12 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
                   zip(group_items, layouts, grads, everywhere.unbind(), in_place) if not local]
         if not spread:
             continue
-        costs = [newton_schulz_cost(item.tensors.view) for item in spread]
-        spread = [replace(item, owner=owner) for item, owner in zip(spread, assign_owners(costs, world))]
-        ordered = [spread[i] for i in by_decreasing_cost(costs)]
-        size = chunk_size or _MATRICES_PER_RANK_PER_CHUNK * world
+        owners, chunks = chunked_owners([newton_schulz_cost(item.tensors.view) for item in spread], world,
+                                        chunk_size)
+        spread = [replace(item, owner=owner) for item, owner in zip(spread, owners)]
         settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
                                   adjust_lr_fn, normalize_spatial, normalization, normalization_beta)
-        run_staggered(chunk_pipeline(ordered[start:start + size], settings)
-                      for start in range(0, len(ordered), size))
+        run_staggered(chunk_pipeline([spread[i] for i in chunk], settings) for chunk in chunks)
 
 
 def _by_group(items: Sequence[MuonTensors], process_group: dist.ProcessGroup | None
@@ -97,13 +90,6 @@ def _layout(param: Tensor, group: dist.ProcessGroup, dims: tuple[int, ...], worl
     mesh = param.device_mesh
     return sharded_layout(tuple(param.shape), tuple(mesh.shape[i] for i in dims),
                           tuple(param.placements[i] for i in dims), comm.spread_group_ranks(mesh, dims, group))
-
-
-def _holds_whole_matrices(item: MuonTensors, layout: ShardLayout) -> bool:
-    """Whether the parameter is split, but only between whole matrices (an expert bank sharded on its expert
-    dim): then each rank can orthogonalize its own matrices, exactly as one device would, without transfers."""
-    batch_dims = item.view.batch_dims(len(layout.shape))
-    return layout.is_sharded and all(dim in batch_dims for dim in layout.split_dims)
 
 
 def _agreed_local_grads(items: Sequence[MuonTensors], layouts: Sequence[ShardLayout],
