@@ -31,6 +31,8 @@ import torch.multiprocessing as mp
 from kernels import get_local_kernel
 from torch.optim._muon import _zeropower_via_newtonschulz
 
+import step_memory
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -324,6 +326,8 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
                     "normalization='element' (AdaMuon)": optimizer.Muon(groups, lr=0.02, normalization="element"),
                     "state_dtype=torch.bfloat16": optimizer.Muon(groups, lr=0.02, state_dtype=torch.bfloat16),
                     "state_dtype='int8'": optimizer.Muon(groups, lr=0.02, state_dtype="int8")}
+        if device.type == "cuda":  # on a CPU the option moves nothing
+            variants["offload='cpu'"] = optimizer.Muon(groups, lr=0.02, offload="cpu")
         compiled_step = torch.compile(ours.step)
         compiled_step()  # compiles twice: before and after the step that creates the optimizer state
 
@@ -454,10 +458,36 @@ def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, re
         naive = _NaiveGatherAll(optimizer, _dist_matrices(blocks, mesh))
         result["naive_ms"] = _timed_step_ms(naive.step, repeats, warm_up=False)  # no lazy state; the slowest row
         result["muon_fsdp2"] = _muon_fsdp2_ms(optimizer, blocks, mesh, repeats)
+        result["device_model"] = _measured_device_model(world)
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def _measured_device_model(world: int) -> dict[str, float]:
+    """What plan_step's DeviceModel assumes, measured as a rank of this run sees it, every rank at work at once:
+    fp32 torch.mm FLOP/s (1024³), gloo all-to-all bytes per second a rank sends (8 MB per rank), and the time of an
+    all-to-all of one float per peer (the latency). Medians of 5."""
+    def median_s(work: Callable[[], object]) -> float:
+        work()
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    x = torch.randn(1024, 1024)
+    matmul = median_s(lambda: torch.mm(x, x))
+    big, tiny = torch.zeros(world * (2 << 20)), torch.zeros(world)
+    big_out, tiny_out = torch.empty_like(big), torch.empty_like(tiny)
+    latency = median_s(lambda: dist.all_to_all_single(tiny_out, tiny))
+    transfer = median_s(lambda: dist.all_to_all_single(big_out, big))
+    sent = (world - 1) / world * big.numel() * big.element_size()
+    return {"matmul_flops": 2 * 1024 ** 3 / matmul, "link_bytes_per_s": sent / max(transfer - latency, 1e-9),
+            "collective_latency_s": latency}
 
 
 def _muon_fsdp2_ms(optimizer, blocks: int, mesh, repeats: int) -> float | str:
@@ -480,19 +510,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _owner_flop_balance(optimizer, blocks: int) -> float:
-    """max/mean Newton-Schulz FLOP over ranks, for the owners our pipeline assigns (decided from shapes alone)."""
-    assignment = importlib.import_module(f"{optimizer.__name__}.distributed.assignment")
-    routing = importlib.import_module(f"{optimizer.__name__}.routing")
-    shapes = GPT2_SMALL_BLOCK * blocks
-    owners = assignment.assign_owners(
-        [assignment.newton_schulz_cost(routing.matrix_view(torch.Size(shape))) for shape in shapes], DIST_WORLD)
-    loads = [0.0] * DIST_WORLD
-    for shape, owner in zip(shapes, owners):
-        loads[owner] += newton_schulz_flop(*shape, 5)
-    return max(loads) / (sum(loads) / DIST_WORLD)
 
 
 def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[str]]:
@@ -525,14 +542,26 @@ def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[st
     # in bf16 (comm_dtype's default), spread over W ranks.
     minimum = 2 * (DIST_WORLD - 1) / DIST_WORLD * numel * 2 / DIST_WORLD
     sent = result["ours_bytes"]
+    device_model = optimizer.DeviceModel(**result["device_model"])
+    plan = optimizer.plan_step(shapes, DIST_WORLD, device=device_model)
     naive_bytes = (DIST_WORLD - 1) / DIST_WORLD * numel * 4  # a ring all-gather of fp32 gradients
     notes += [
         f"dist: bytes sent per rank per step: ours mean {statistics.mean(sent) / 1e6:.2f} MB, max "
         f"{max(sent) / 1e6:.2f} MB; minimum (each shard once each way, bf16) {minimum / 1e6:.2f} MB per rank "
         f"(ours/min: mean {statistics.mean(sent) / minimum:.2f}x, max {max(sent) / minimum:.2f}x); the naive "
         f"baseline's ring all-gather of fp32 gradients sends {naive_bytes / 1e6:.2f} MB per rank",
-        f"dist: owner Newton-Schulz FLOP balance (max/mean over ranks): {_owner_flop_balance(optimizer, blocks):.3f}",
+        f"dist: optimizer.plan_step's bytes sent per rank {plan.bytes_sent_per_rank}: "
+        f"{'equal to' if [round(b) for b in sent] == plan.bytes_sent_per_rank else 'NOT equal to'} the measured "
+        f"{[round(b) for b in sent]}",
+        f"dist: owner Newton-Schulz FLOP balance (max/mean over ranks, plan_step): {plan.balance:.3f}",
         f"dist: step time ours/naive {result['ours_ms'] / naive:.2f}x (ratio column: naive/ours)",
+        f"dist: plan_step's predicted step time with a DeviceModel measured in the same run (per rank: fp32 mm "
+        f"{device_model.matmul_flops / 1e9:.1f} GFLOP/s, gloo all-to-all {device_model.link_bytes_per_s / 1e9:.2f} "
+        f"GB/s sent, {device_model.collective_latency_s * 1e6:.0f} us per collective): overlapped "
+        f"{plan.time_overlapped_s * 1e3:.0f} ms, serial {plan.time_serial_s * 1e3:.0f} ms; measured "
+        f"{result['ours_ms']:.0f} ms, {result['ours_ms'] / 1e3 / plan.time_overlapped_s:.2f}x the overlapped "
+        f"prediction (the Newton-Schulz and momentum are the only work it counts; the Gram iteration that "
+        f"ns_algorithm='auto' picks does fewer FLOPs than the standard one it counts)",
     ]
     return rows, notes
 
@@ -642,6 +671,9 @@ def main() -> None:
         step_rows, step_notes = bench_step(optimizer, device, torch_dtype, max(3, args.repeats // 2))
         rows += step_rows
         notes += step_notes
+        notes += [f"GPT-2 small: peak memory of a step above parameters and gradients (state and temporaries; "
+                  f"{step_memory.METHOD[device.type]}): {label} {peak / 2**30:.2f} GiB"
+                  for label, peak in step_memory.peak_bytes(device, torch_dtype).items()]
     if "dist" in sections:
         dist_rows, dist_notes = bench_dist(optimizer, args.dist_blocks, max(3, args.repeats // 2))
         rows += dist_rows
