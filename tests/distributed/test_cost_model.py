@@ -46,9 +46,16 @@ def test_bytes_are_every_shard_to_its_owner_and_back(world: int, dtype: torch.dt
     assert plan.bytes_per_rank == sent
 
 
-def test_flops_are_the_standard_iterations_products_on_each_owner() -> None:
-    plan = optimizer.plan_step(GPT2_SMALL, 8, ns_steps=5)
+def test_flops_are_the_products_of_the_iteration_each_owner_runs() -> None:
+    plan = optimizer.plan_step(GPT2_SMALL, 8, ns_steps=5)  # bfloat16: "auto" keeps the standard iteration
     assert sum(plan.flops_per_rank) == sum(_hand_flops(shape, 5) for shape in GPT2_SMALL)
+    # float32 on a 768x3072 matrix: "auto" runs the Gram iteration, X Xᵀ and Q X once (4 m² n) and 4 * 5 - 3
+    # products of m x m (2 m³ each), fewer than the standard iteration's.
+    m, n = 768, 3072
+    gram = optimizer.plan_step([(m, n)], 1, ns_dtype=torch.float32).flops_per_rank
+    assert gram == [4 * m * m * n + 17 * 2 * m ** 3] and gram[0] < _hand_flops((m, n), 5)
+    assert optimizer.plan_step([(m, n)], 1, ns_dtype=torch.float32, ns_algorithm="standard").flops_per_rank == \
+        [_hand_flops((m, n), 5)]
     assert plan.balance == max(plan.flops_per_rank) / (sum(plan.flops_per_rank) / 8)
     assert plan.chunks == len(GPT2_SMALL) // (2 * 8) and plan.collectives == 2 * plan.chunks
 

@@ -47,12 +47,6 @@ def by_decreasing_cost(costs: Sequence[int]) -> list[int]:
     return sorted(range(len(costs)), key=lambda i: -costs[i])
 
 
-def newton_schulz_flops(view: MatrixView, steps: int) -> int:
-    """Floating-point operations of `steps` standard Newton-Schulz steps on the view's matrices: per step and matrix,
-    X Xᵀ and (b A + c A²) X at 2 m² n each, and A² at 2 m³ (m <= n): twice `newton_schulz_cost` per step."""
-    return 2 * steps * newton_schulz_cost(view)
-
-
 def holds_whole_matrices(view: MatrixView, layout: ShardLayout) -> bool:
     """Whether the parameter is split, but only between whole matrices (an expert bank sharded on its expert
     dim): then each rank can orthogonalize its own matrices, exactly as one device would, without transfers."""

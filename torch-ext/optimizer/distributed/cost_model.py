@@ -2,9 +2,10 @@
 
 The step's own decisions, not a model of them: the matrix views (`routing.matrix_view`), the shard layouts
 (`layout.sharded_layout`), which matrices stay where they are (`assignment.holds_whole_matrices`), the owners and
-chunks (`assignment.chunked_owners`) and every all-to-all's split sizes (`plan.gather_exchange`,
-`plan.scatter_exchange`). So the bytes are the bytes the pipeline sends, exactly; the FLOPs are the standard
-iteration's products (`assignment.newton_schulz_flops`), and the times are a roofline over a `DeviceModel`.
+chunks (`assignment.chunked_owners`), every all-to-all's split sizes (`plan.gather_exchange`,
+`plan.scatter_exchange`) and the iteration each matrix gets (`newton_schulz.resolve_algorithm`). So the bytes are the
+bytes the pipeline sends, exactly; the FLOPs are that iteration's products (`standard_flop`, `gram_flop`), and the
+times are a roofline over a `DeviceModel`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..routing import matrix_view
-from .assignment import chunked_owners, holds_whole_matrices, newton_schulz_cost, newton_schulz_flops
+from ..newton_schulz import gram_flop, resolve_algorithm, standard_flop
+from ..routing import MatrixView, matrix_view
+from .assignment import chunked_owners, holds_whole_matrices, newton_schulz_cost
 from .dtensors import Placement
 from .layout import box_numel, sharded_layout
 from .plan import gather_exchange, scatter_exchange
@@ -39,7 +41,7 @@ class StepPlan:
     slowest rank's: `time_serial_s` with every transfer waited for, `time_overlapped_s` with the transfers hidden
     behind the products but for the first chunk's gather and the last chunk's scatter (see `_times`)."""
 
-    flops_per_rank: list[int]
+    flops_per_rank: list[float]
     bytes_sent_per_rank: list[int]
     bytes_received_per_rank: list[int]
     collectives: int
@@ -61,12 +63,14 @@ class StepPlan:
 
 def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequence[Placement] | None = None,
               mesh_shape: Sequence[int] | None = None, chunk_size: int | None = None,
-              comm_dtype: torch.dtype = torch.bfloat16, ns_steps: int = 5, param_layout: str = "auto",
-              conv_mode: str = "flatten", device: DeviceModel | None = None) -> StepPlan:
+              comm_dtype: torch.dtype = torch.bfloat16, ns_steps: int = 5, ns_algorithm: str = "auto",
+              ns_dtype: torch.dtype = torch.bfloat16, param_layout: str = "auto", conv_mode: str = "flatten",
+              device: DeviceModel | None = None) -> StepPlan:
     """The cost of one Muon step over `world` ranks for parameters of `shapes` (global shapes, as DTensors have),
     laid out by `placements` over a mesh of `mesh_shape` (default: one mesh dim of `world` ranks, Shard(0), as
     FSDP2 shards). The mesh is the one the step spreads over: under HSDP, the shard dims (each replica group runs
-    the same plan). `chunk_size`, `comm_dtype`, `ns_steps`, `param_layout` and `conv_mode` are Muon's options."""
+    the same plan). `chunk_size`, `comm_dtype`, `ns_steps`, `ns_algorithm`, `ns_dtype` (None in Muon is the
+    device's: bfloat16 on GPUs), `param_layout` and `conv_mode` are Muon's options."""
     from torch.distributed.tensor import Shard  # noqa: PLC0415 (torch.distributed is optional at import)
 
     placements = tuple(placements or (Shard(0),))
@@ -75,16 +79,21 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
         raise ValueError(f"Invalid mesh_shape: {mesh_shape} with placements {placements} for {world} ranks")
     views = [matrix_view(tuple(shape), param_layout, conv_mode) for shape in shapes]
     layouts = [sharded_layout(tuple(shape), mesh_shape, placements, tuple(range(world))) for shape in shapes]
-    flops = [0] * world
+    def iteration_flops(view: MatrixView) -> float:
+        short, long = sorted((view.rows, view.cols))
+        flop = gram_flop if resolve_algorithm(ns_algorithm, (short, long), ns_steps, ns_dtype) == "gram" else \
+            standard_flop
+        return view.batch * flop(short, long, ns_steps)
+
+    flops = [0.0] * world
     for view, layout in zip(views, layouts):
         if holds_whole_matrices(view, layout):  # each rank its own matrices, in place
             for rank, box in enumerate(layout.boxes):
-                matrices = box_numel(box) // (view.rows * view.cols)
-                flops[rank] += newton_schulz_flops(replace(view, batch=matrices), ns_steps)
+                flops[rank] += iteration_flops(replace(view, batch=box_numel(box) // (view.rows * view.cols)))
     spread = [j for j, (view, layout) in enumerate(zip(views, layouts)) if not holds_whole_matrices(view, layout)]
     owners, chunks = chunked_owners([newton_schulz_cost(views[j]) for j in spread], world, chunk_size)
     for index, owner in enumerate(owners):
-        flops[owner] += newton_schulz_flops(views[spread[index]], ns_steps)
+        flops[owner] += iteration_flops(views[spread[index]])
     sent, received = [0] * world, [0] * world
     itemsize = torch.empty((), dtype=comm_dtype).element_size()
     collectives = 0
@@ -108,7 +117,7 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
     return StepPlan(flops, sent, received, collectives, len(chunks), serial, overlapped)
 
 
-def _times(flops: list[int], link_bytes: list[tuple[list[int], list[int]]], collectives: int,
+def _times(flops: list[float], link_bytes: list[tuple[list[int], list[int]]], collectives: int,
            device: DeviceModel) -> tuple[float, float]:
     """(serial, overlapped) step times of the slowest rank. A rank's transfer time is, per all-to-all, the larger of
     what it sends and receives over the link bandwidth, plus each collective's latency. Serial: products plus
