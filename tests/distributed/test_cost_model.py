@@ -30,7 +30,8 @@ def _hand_flops(shape: tuple[int, int], steps: int) -> int:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_bytes_are_every_shard_to_its_owner_and_back(world: int, dtype: torch.dtype) -> None:
     plan = optimizer.plan_step(GPT2_SMALL, world, comm_dtype=dtype)
-    costs = [assignment.newton_schulz_cost(routing.matrix_view(torch.Size(shape))) for shape in GPT2_SMALL]
+    costs = [assignment.iteration_flops(routing.matrix_view(torch.Size(shape)), 5, "auto", torch.bfloat16)
+             for shape in GPT2_SMALL]
     owners = assignment.assign_owners(costs, world)
     itemsize = torch.empty((), dtype=dtype).element_size()
     sent, received = [0] * world, [0] * world

@@ -24,22 +24,30 @@ def gpt_matrix_shapes(layers: int, width: int) -> list[tuple[int, int]]:
     return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("layers,width", [(12, 768), (24, 1024), (32, 4096)])
-def test_owners_balance_newton_schulz_work_over_8_ranks(layers: int, width: int) -> None:
-    costs = [assignment.newton_schulz_cost(routing.matrix_view(torch.Size(shape)))
+def test_owners_balance_newton_schulz_work_over_8_ranks(layers: int, width: int, dtype: torch.dtype) -> None:
+    costs = [assignment.iteration_flops(routing.matrix_view(torch.Size(shape)), 5, "auto", dtype)
              for shape in gpt_matrix_shapes(layers, width)]
     owners = assignment.assign_owners(costs, 8)
     loads = [sum(cost for cost, owner in zip(costs, owners) if owner == rank) for rank in range(8)]
     assert max(loads) / (sum(loads) / 8) <= 1.05, loads
 
 
-def test_cost_follows_the_flop_count_of_one_newton_schulz_step() -> None:
-    # X X^T on a (m, n) matrix with m <= n is m*m*n multiply-adds, A @ A is m^3 and (bA + cA^2) X is m*m*n again:
-    # counted by hand for a (4, 6) matrix, 2*16*6 + 64 = 256, the same for its transpose and per bank member.
+def test_cost_is_the_flop_count_of_the_iteration_that_runs() -> None:
+    # Standard, per step: X Xᵀ (2 m² n), A² (2 m³), (bA + cA²) X (2 m² n); for a (4, 6) matrix 2*96 + 128 + 2*96 =
+    # 512 per step, the same for its transpose and per bank member. Gram, 5 steps: X Xᵀ and Q X once (4 m² n = 384)
+    # and 17 products of m x m (2 m³ = 128 each): 2560, the same as standard at this shape; at (4, 64) Gram does fewer.
     view = routing.matrix_view(torch.Size((4, 6)))
-    assert assignment.newton_schulz_cost(view) == 256
-    assert assignment.newton_schulz_cost(routing.matrix_view(torch.Size((6, 4)))) == 256
-    assert assignment.newton_schulz_cost(routing.matrix_view(torch.Size((3, 4, 6)))) == 3 * 256
+    assert assignment.iteration_flops(view, 5, "standard", torch.float32) == 5 * 512
+    assert assignment.iteration_flops(routing.matrix_view(torch.Size((6, 4))), 5, "standard", torch.float32) == 5 * 512
+    assert assignment.iteration_flops(routing.matrix_view(torch.Size((3, 4, 6))), 5, "standard",
+                                      torch.float32) == 3 * 5 * 512
+    assert assignment.iteration_flops(view, 5, "gram", torch.float32) == 384 + 17 * 128
+    wide = routing.matrix_view(torch.Size((4, 64)))
+    gram = 4 * 16 * 64 + 17 * 128
+    assert assignment.iteration_flops(wide, 5, "auto", torch.float32) == gram < 5 * (4 * 16 * 64 + 128)
+    assert assignment.iteration_flops(wide, 5, "auto", torch.bfloat16) == 5 * (4 * 16 * 64 + 128)
 
 
 def _chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:

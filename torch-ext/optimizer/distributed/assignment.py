@@ -6,6 +6,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import torch
+
+from ..newton_schulz import gram_flop, resolve_algorithm, standard_flop
 from ..routing import MatrixView
 from .layout import ShardLayout
 
@@ -14,17 +17,16 @@ from .layout import ShardLayout
 MATRICES_PER_RANK_PER_CHUNK = 2
 
 
-def newton_schulz_cost(view: MatrixView) -> int:
-    """Multiply-adds of one Newton-Schulz step on the view's matrices, up to a constant factor.
-
-    Per matrix, in the wide orientation (m <= n): the Gram matrix X X^T (m*m*n), the polynomial's A@A (m^3) and
-    the product with X (m*m*n). The number of steps is the same for every matrix, so it does not change the ranking.
-    """
+def iteration_flops(view: MatrixView, steps: int, algorithm: str, dtype: torch.dtype) -> float:
+    """FLOPs of the Newton-Schulz iteration `zeropower` runs on the view's matrices: the one `algorithm` resolves to
+    for the matrix's wide orientation in `dtype` (standard or Gram, `newton_schulz.resolve_algorithm`), full
+    products counted. The owners balance this, the work each owner will do."""
     short, long = sorted((view.rows, view.cols))
-    return view.batch * (2 * short * short * long + short ** 3)
+    flop = gram_flop if resolve_algorithm(algorithm, (short, long), steps, dtype) == "gram" else standard_flop
+    return view.batch * flop(short, long, steps)
 
 
-def assign_owners(costs: Sequence[int], world: int) -> list[int]:
+def assign_owners(costs: Sequence[float], world: int) -> list[int]:
     """Owner rank per item: largest cost first, each to the least-loaded rank (the lowest rank on ties).
 
     Greedy longest-processing-time scheduling: its makespan is within 4/3 of the optimum, and much closer when
@@ -41,7 +43,7 @@ def assign_owners(costs: Sequence[int], world: int) -> list[int]:
     return owners
 
 
-def by_decreasing_cost(costs: Sequence[int]) -> list[int]:
+def by_decreasing_cost(costs: Sequence[float]) -> list[int]:
     """Item indices, largest cost first (stable), the order chunks are cut in: each chunk then spreads its work
     over the ranks the way `assign_owners` spread the whole step's."""
     return sorted(range(len(costs)), key=lambda i: -costs[i])
@@ -54,7 +56,7 @@ def holds_whole_matrices(view: MatrixView, layout: ShardLayout) -> bool:
     return layout.is_sharded and all(dim in batch_dims for dim in layout.split_dims)
 
 
-def chunked_owners(costs: Sequence[int], world: int, chunk_size: int | None) -> tuple[list[int], list[list[int]]]:
+def chunked_owners(costs: Sequence[float], world: int, chunk_size: int | None) -> tuple[list[int], list[list[int]]]:
     """The owner rank of each item and the chunks the pipeline runs them in (item indices, largest cost first;
     `chunk_size` items each, None: MATRICES_PER_RANK_PER_CHUNK per rank)."""
     ordered = by_decreasing_cost(costs)

@@ -3,9 +3,9 @@
 The step's own decisions, not a model of them: the matrix views (`routing.matrix_view`), the shard layouts
 (`layout.sharded_layout`), which matrices stay where they are (`assignment.holds_whole_matrices`), the owners and
 chunks (`assignment.chunked_owners`), every all-to-all's split sizes (`plan.gather_exchange`,
-`plan.scatter_exchange`) and the iteration each matrix gets (`newton_schulz.resolve_algorithm`). So the bytes are the
-bytes the pipeline sends, exactly; the FLOPs are that iteration's products (`standard_flop`, `gram_flop`), and the
-times are a roofline over a `DeviceModel`.
+`plan.scatter_exchange`) and the work of the iteration each matrix gets (`assignment.iteration_flops`). So the
+bytes are the bytes the pipeline sends, exactly; the FLOPs are that iteration's products, and the times are a
+roofline over a `DeviceModel`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..newton_schulz import gram_flop, resolve_algorithm, standard_flop
 from ..routing import MatrixView, matrix_view
-from .assignment import chunked_owners, holds_whole_matrices, newton_schulz_cost
+from .assignment import chunked_owners, holds_whole_matrices, iteration_flops
 from .dtensors import Placement
 from .layout import box_numel, sharded_layout
 from .plan import gather_exchange, scatter_exchange
@@ -79,21 +78,19 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
         raise ValueError(f"Invalid mesh_shape: {mesh_shape} with placements {placements} for {world} ranks")
     views = [matrix_view(tuple(shape), param_layout, conv_mode) for shape in shapes]
     layouts = [sharded_layout(tuple(shape), mesh_shape, placements, tuple(range(world))) for shape in shapes]
-    def iteration_flops(view: MatrixView) -> float:
-        short, long = sorted((view.rows, view.cols))
-        flop = gram_flop if resolve_algorithm(ns_algorithm, (short, long), ns_steps, ns_dtype) == "gram" else \
-            standard_flop
-        return view.batch * flop(short, long, ns_steps)
+    def work(view: MatrixView) -> float:
+        return iteration_flops(view, ns_steps, ns_algorithm, ns_dtype)
 
     flops = [0.0] * world
     for view, layout in zip(views, layouts):
         if holds_whole_matrices(view, layout):  # each rank its own matrices, in place
             for rank, box in enumerate(layout.boxes):
-                flops[rank] += iteration_flops(replace(view, batch=box_numel(box) // (view.rows * view.cols)))
+                flops[rank] += work(replace(view, batch=box_numel(box) // (view.rows * view.cols)))
     spread = [j for j, (view, layout) in enumerate(zip(views, layouts)) if not holds_whole_matrices(view, layout)]
-    owners, chunks = chunked_owners([newton_schulz_cost(views[j]) for j in spread], world, chunk_size)
+    costs = [work(views[j]) for j in spread]
+    owners, chunks = chunked_owners(costs, world, chunk_size)
     for index, owner in enumerate(owners):
-        flops[owner] += iteration_flops(views[spread[index]])
+        flops[owner] += costs[index]
     sent, received = [0] * world, [0] * world
     itemsize = torch.empty((), dtype=comm_dtype).element_size()
     collectives = 0

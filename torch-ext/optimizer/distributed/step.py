@@ -16,7 +16,7 @@ from ..functional import LearningRate, MuonTensors, muon_update
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
-from .assignment import chunked_owners, holds_whole_matrices, newton_schulz_cost
+from .assignment import chunked_owners, holds_whole_matrices, iteration_flops
 from .dtensors import is_dtensor, is_shard, local_or_none, local_tensor, placed_like
 from .finite import finite_everywhere
 from .layout import ShardLayout, replicated_layout, shard_positions, sharded_layout
@@ -54,8 +54,9 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
                   zip(group_items, layouts, grads, everywhere.unbind(), in_place) if not local]
         if not spread:
             continue
-        owners, chunks = chunked_owners([newton_schulz_cost(item.tensors.view) for item in spread], world,
-                                        chunk_size)
+        costs = [iteration_flops(item.tensors.view, len(orthogonalizer.coefficients), orthogonalizer.algorithm,
+                                 orthogonalizer.dtype) for item in spread]
+        owners, chunks = chunked_owners(costs, world, chunk_size)
         spread = [replace(item, owner=owner) for item, owner in zip(spread, owners)]
         settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
                                   adjust_lr_fn, normalize_spatial, normalization, normalization_beta)
