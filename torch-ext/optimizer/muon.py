@@ -24,8 +24,8 @@ from .distributed.step import distributed_muon_update, is_spread
 from .functional import (ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, buckets as functional_buckets,
                          by_device, muon_update)
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
-from .offload import OFFLOAD_TARGETS, CudaCopier, home_device, keep_at_home, offloaded, run_staged
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
+from .offload import OFFLOAD_TARGETS, CudaCopier, home_device, keep_at_home, offloaded, run_staged
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
@@ -289,15 +289,15 @@ def _keep_moments(state: dict[str, Any], param: Tensor, keys: tuple[str, ...], f
             local_tensor(state[key]).copy_(previous)
 
 
-def _staged_by_device(items: list[Any], grouped: Callable[[list[Any]], list[list[Any]]],
-                      update: Callable[[list[Any]], None]) -> None:
-    """update(items), or with offloaded state, update per group of `grouped(items)` with the state streamed to the
-    parameters' GPU a group ahead (see `offload.run_staged`)."""
+def _muon_update_staged(items: list[MuonTensors], **settings: Any) -> None:
+    """`muon_update`, or with offloaded state, one bucket at a time with its state streamed to the parameters' GPU a
+    bucket ahead (see `offload.run_staged`)."""
     if not any(offloaded(item) for item in items):
-        update(items)
+        muon_update(items, **settings)
         return
     for device, device_items in by_device(items).items():
-        run_staged(grouped(device_items), update, CudaCopier(device))
+        run_staged(functional_buckets(device_items), lambda bucket: muon_update(bucket, **settings),
+                   CudaCopier(device))
 
 
 def _local_adamw_item(item: AdamWTensors) -> AdamWTensors:
@@ -639,7 +639,7 @@ class Muon(Optimizer):
         for item in items:
             (spread if is_spread(item.param, self.process_group) else local).append(item)
         if local:
-            _staged_by_device(local, functional_buckets, lambda bucket: muon_update(bucket, **settings))
+            _muon_update_staged(local, **settings)
         if spread:
             distributed_muon_update(spread, process_group=self.process_group, comm_dtype=group["comm_dtype"],
                                     chunk_size=group["chunk_size"], **settings)
@@ -661,10 +661,14 @@ class Muon(Optimizer):
             # The update itself is elementwise: each rank runs it on its own shards, as plain tensors.
             found_inf = found_inf_flags([item.grad for item in device_items])
             local_items = [_local_adamw_item(item) for item in device_items]
-            flag_of = {id(item.param): index for index, item in enumerate(local_items)}
-            _staged_by_device(local_items, lambda items: [[item] for item in items],
-                              lambda one: adamw_update(one, found_inf[[flag_of[id(item.param)] for item in one]],
-                                                       **settings))
+            if not any(offloaded(item) for item in local_items):
+                adamw_update(local_items, found_inf, **settings)
+                continue
+            # Offloaded: one parameter at a time, its state streamed a parameter ahead; run_staged updates the
+            # groups in order, so each takes the next flag.
+            flags = iter(found_inf.split(1))
+            run_staged([[item] for item in local_items], lambda one: adamw_update(one, next(flags), **settings),
+                       CudaCopier(found_inf.device))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,

@@ -17,11 +17,12 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from .state_precision import MOMENT_KEYS, scale_key
+
 OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
 # The state the option moves: the moments and their block scales, and NorMuon/AdaMuon's second moment. Counters stay
 # with the parameter (a few bytes, read by every step's bookkeeping).
-OFFLOADED_STATE = ("momentum_buffer", "momentum_buffer_scale", "exp_avg", "exp_avg_scale", "exp_avg_sq",
-                   "exp_avg_sq_scale", "update_sq")
+OFFLOADED_STATE = (*MOMENT_KEYS, *(scale_key(key) for key in MOMENT_KEYS), "update_sq")
 # The same tensors as the fields of functional's MuonTensors and AdamWTensors.
 OFFLOADED_FIELDS = ("momentum_buffer", "momentum_scales", "second_moment", "exp_avg", "exp_avg_sq", "exp_avg_scales",
                     "exp_avg_sq_scales")

@@ -97,11 +97,12 @@ def moment_code(key: str, scales: Tensor | None) -> str:
 
 def working_copy(key: str, stored: Tensor, scales: Tensor | None) -> Tensor:
     """The float32 values of the stored moment `key` (a new tensor)."""
-    if scales is None:
+    code = moment_code(key, scales)
+    if code == "bfloat16":
         return stored.float()
-    codes = stored if key in _LINEAR_CODED else stored.view(_CODE_DTYPE)
+    codes = stored if code == "linear" else stored.view(_CODE_DTYPE)
     values = _unblocked(_blocks(codes.float()) * scales.unsqueeze(-1), stored.shape).contiguous()
-    return values.square_() if key in _STORED_AS_ROOT else values
+    return values.square_() if code == "e4m3_root" else values
 
 
 def store_(keys: Sequence[str], stored: Sequence[Tensor], scales: Sequence[Tensor | None], values: Sequence[Tensor],
@@ -125,14 +126,15 @@ def write_rounded_(key: str, stored: Tensor, scale: Tensor | None, value: Tensor
     if position is None:
         position = torch.arange(value.numel(), dtype=_index_dtype(value.numel()), device=value.device)
         position = position.view(value.shape)
-    if scale is None:
+    code = moment_code(key, scale)
+    if code == "bfloat16":
         rounded = _stochastically_rounded(value, _random_bits(rounding_count, position), stored.dtype)
         stored.copy_(torch.where(taken > 0, rounded, stored))
         return
-    if key in _LINEAR_CODED:
+    if code == "linear":
         codes, new_scales = _quantized(value, rounding_count, position, _LINEAR_MAX, _linear_codes)
     else:
-        root = value.sqrt() if key in _STORED_AS_ROOT else value
+        root = value.sqrt() if code == "e4m3_root" else value
         codes, new_scales = _quantized(root, rounding_count, position, _CODE_MAX, _e4m3_codes)
     stored.copy_(torch.where(taken > 0, codes, stored))
     scale.copy_(torch.where(taken > 0, new_scales, scale))

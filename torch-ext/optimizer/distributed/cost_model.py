@@ -82,11 +82,13 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
         return iteration_flops(view, ns_steps, ns_algorithm, ns_dtype)
 
     flops = [0.0] * world
-    for view, layout in zip(views, layouts):
-        if holds_whole_matrices(view, layout):  # each rank its own matrices, in place
-            for rank, box in enumerate(layout.boxes):
-                flops[rank] += work(replace(view, batch=box_numel(box) // (view.rows * view.cols)))
-    spread = [j for j, (view, layout) in enumerate(zip(views, layouts)) if not holds_whole_matrices(view, layout)]
+    spread = []
+    for j, (view, layout) in enumerate(zip(views, layouts)):
+        if not holds_whole_matrices(view, layout):
+            spread.append(j)
+            continue
+        for rank, box in enumerate(layout.boxes):  # each rank its own matrices, in place
+            flops[rank] += work(replace(view, batch=box_numel(box) // (view.rows * view.cols)))
     costs = [work(views[j]) for j in spread]
     owners, chunks = chunked_owners(costs, world, chunk_size)
     for index, owner in enumerate(owners):
