@@ -8,36 +8,11 @@ import warnings
 
 import pytest
 import torch
-from kernel_under_test import optimizer, submodule
+from kernel_under_test import optimizer
+from offload_recording import offload_module, recorded_offload
 
 Muon = optimizer.Muon
-muon_module = submodule(optimizer, "muon")
 HAS_CUDA = torch.cuda.is_available()
-
-
-class RecordingCopier:
-    """The CUDA copier's interface, synchronous: fetches clone (the "device" copies), write-backs copy into the homes.
-    An update that read or wrote the homes instead of the copies would leave the homes unstepped."""
-
-    def __init__(self, log: list[tuple]) -> None:
-        self.log, self.fetches = log, 0
-
-    def fetch(self, homes: list[torch.Tensor], device: torch.device) -> tuple[int, list[torch.Tensor]]:
-        self.log.append(("fetch", self.fetches))
-        self.fetches += 1
-        return self.fetches - 1, [home.clone() for home in homes]
-
-    def ready(self, handle: tuple[int, list[torch.Tensor]]) -> list[torch.Tensor]:
-        self.log.append(("ready", handle[0]))
-        return handle[1]
-
-    def write_back(self, copies: list[torch.Tensor], homes: list[torch.Tensor]) -> None:
-        self.log.append(("write_back",))
-        for copy, home in zip(copies, homes):
-            home.copy_(copy)
-
-    def finish(self) -> None:
-        self.log.append(("finish",))
 
 
 def _model_params(seed: int) -> list[torch.Tensor]:
@@ -58,15 +33,13 @@ def _train(params: list[torch.Tensor], steps: int, **options) -> Muon:
 
 @pytest.mark.parametrize("state_dtype", [None, "int8"])
 def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, state_dtype) -> None:
-    log: list[tuple] = []
-    monkeypatch.setattr(muon_module, "offloaded", lambda item: True)  # every item streams, as on a GPU
-    monkeypatch.setattr(muon_module, "CudaCopier", lambda device: RecordingCopier(log))
+    log: list[str] = []
     for name in ("muon_update", "adamw_update"):
-        update = getattr(muon_module, name)
-        monkeypatch.setattr(muon_module, name, lambda *args, _update=update, **kwargs: (log.append(("update",)),
+        update = getattr(offload_module, name)
+        monkeypatch.setattr(offload_module, name, lambda *args, _update=update, **kwargs: (log.append("update"),
                                                                                           _update(*args, **kwargs)))
     staged_params, plain_params = _model_params(0), _model_params(0)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), recorded_offload(log):
         warnings.simplefilter("ignore")  # the CPU-only notice, tested below
         staged = _train(staged_params, 3, state_dtype=state_dtype, offload="cpu")
     monkeypatch.undo()
@@ -80,7 +53,7 @@ def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, s
     muon_schedule = ["fetch", "ready", "fetch", "update", "write_back", "ready", "fetch", "update", "write_back",
                      "ready", "update", "write_back", "finish"]
     adamw_schedule = ["fetch", "ready", "fetch", "update", "write_back", "ready", "update", "write_back", "finish"]
-    assert [entry[0] for entry in log] == (muon_schedule + adamw_schedule) * 3
+    assert log == (muon_schedule + adamw_schedule) * 3
 
 
 def test_offload_on_cpu_parameters_is_a_noop_that_says_so_once() -> None:
@@ -109,7 +82,7 @@ def test_offloaded_state_lives_pinned_on_the_host_and_steps_as_on_the_gpu(state_
     resident = _train(resident_params, 3, state_dtype=state_dtype)
     for param, resident_param in zip(offloaded_params, resident_params):
         torch.testing.assert_close(param, resident_param, rtol=0, atol=0)
-        for key in submodule(optimizer, "offload").OFFLOADED_STATE:
+        for key in offload_module.OFFLOADED_STATE:
             if key in offloaded.state[param]:
                 value = offloaded.state[param][key]
                 assert value.device.type == "cpu" and value.is_pinned(), key
@@ -118,4 +91,4 @@ def test_offloaded_state_lives_pinned_on_the_host_and_steps_as_on_the_gpu(state_
     loaded.load_state_dict(offloaded.state_dict())
     loaded.step()  # a checkpoint loads onto the parameters' device; the step moves the moments home again
     assert all(value.device.type == "cpu" for state in loaded.state.values()
-               for key, value in state.items() if key in submodule(optimizer, "offload").OFFLOADED_STATE)
+               for key, value in state.items() if key in offload_module.OFFLOADED_STATE)

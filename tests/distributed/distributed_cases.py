@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
+from unittest import mock
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch.torch_version import TorchVersion
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for kernel_under_test
 from kernel_under_test import optimizer, submodule  # noqa: E402
+from offload_recording import recorded_offload  # noqa: E402
 
 Muon = optimizer.Muon
 state_precision = submodule(optimizer, "state_precision")
@@ -253,6 +255,58 @@ def plan_step_bytes_case(world: int, placements: Sequence[Placement], **options)
         (sent, received, plan)
 
 
+def offload_case(world: int, **options) -> None:
+    """offload="cpu" through the distributed step, with a recording copier in place of the GPU's side stream: the
+    parameters and state are bitwise those of the same run without offload, the expert bank (whole experts on each
+    rank) stages as one device does, and each pipeline chunk's state is fetched before the chunk ahead of it runs
+    Newton-Schulz and written back after its own update. Moved home, a DTensor's state stays a DTensor on its mesh
+    with only its local shard moved ("meta" standing in for the host of a GPU mesh)."""
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"momentum_buffer": distribute_tensor(torch.ones(8, 3), mesh, [Shard(0)])}
+    submodule(optimizer, "offload").keep_at_home(state, torch.device("meta"))
+    moved = state["momentum_buffer"]
+    assert isinstance(moved, DTensor) and moved.device_mesh == mesh and moved.placements == (Shard(0),), moved
+    assert moved.to_local().device.type == "meta" and moved.shape == (8, 3)
+    runs = []
+    log: list[str] = []
+    pipeline = submodule(optimizer, "distributed.pipeline")
+    orthogonalize = pipeline.orthogonalize
+    for offload in (None, "cpu"):
+        params = [distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for t in randn_tensors(SHAPES, seed=0)]
+        opt = Muon(params, **(OPTIONS | options))
+        opt.offload = offload  # set after construction: on CPU parameters the constructor only warns
+        for step in range(STEPS):
+            for param, grad in zip(params, randn_tensors(SHAPES, seed=100 + step)):
+                param.grad = distribute_tensor(grad, mesh, [Shard(0)], src_data_rank=None)
+            if offload is None:
+                opt.step()
+                continue
+            with recorded_offload(log), mock.patch.object(
+                    pipeline, "orthogonalize", lambda *args, **kwargs: (log.append("orthogonalize"),
+                                                                        orthogonalize(*args, **kwargs))[1]):
+                opt.step()
+        runs.append((params, opt))
+    (plain_params, plain), (staged_params, staged) = runs
+    for plain_param, staged_param in zip(plain_params, staged_params):
+        assert torch.equal(plain_param.to_local(), staged_param.to_local())
+        for key, value in plain.state[plain_param].items():
+            assert torch.equal(_local(staged.state[staged_param][key]), _local(value)), key
+    # The expert bank first, on the ranks that hold one of its 2 experts: one bucket, staged as on one device. Then the pipeline's four chunks A..D, each a
+    # generator of fetch | ready + momentum | orthogonalize | update + write_back, started one per round and
+    # advanced newest first: A fetch; B fetch, A ready; C fetch, B ready, A orth.; D fetch, C ready, B orth.,
+    # A write; then D ready, C orth., B write; D orth., C write; D write.
+    experts = next(shape[0] for shape in SHAPES if len(shape) == 3)
+    in_place = ["fetch", "ready", "write_back", "finish"] if dist.get_rank() < experts else []
+    pipeline_schedule = ["fetch", "fetch", "ready", "fetch", "ready", "orthogonalize", "fetch", "ready",
+                         "orthogonalize", "write_back", "ready", "orthogonalize", "write_back", "orthogonalize",
+                         "write_back", "write_back", "finish"]
+    assert log == (in_place + pipeline_schedule) * STEPS, log
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def cases_for(world: int) -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {
         "fsdp2_fully_shard": partial(fsdp2_case, world),
@@ -295,6 +349,10 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "plan_step_bytes_shard0": partial(plan_step_bytes_case, world, [Shard(0)]),
         "plan_step_bytes_shard1_fp32_one_per_chunk": partial(plan_step_bytes_case, world, [Shard(1)],
                                                               comm_dtype=torch.float32, chunk_size=1),
+        # offload="cpu": the pipeline and the in-place expert bank staged through a recording copier.
+        "shard0_offloaded_int8_state": partial(offload_case, world, state_dtype="int8", chunk_size=2),
+        "shard0_offloaded_neuron_normalization": partial(offload_case, world, normalization="neuron",
+                                                       adjust_lr_fn="spectral", chunk_size=2),
     }
     if LONE_STRIDED_SHARD_ACCEPTED:
         cases["strided_shard1_1d"] = partial(dtensor_case, (world,), [_StridedShard(1, split_factor=2)])

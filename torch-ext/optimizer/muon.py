@@ -21,11 +21,10 @@ from .distributed.dtensors import local_or_none, local_tensor, placed_like, spli
 from .distributed.finite import found_inf_flags
 from .distributed.layout import shard_positions
 from .distributed.step import distributed_muon_update, is_spread
-from .functional import (ADJUST_LR_FNS, AdamWTensors, MuonTensors, adamw_update, buckets as functional_buckets,
-                         by_device, muon_update)
+from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, by_device
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
-from .offload import OFFLOAD_TARGETS, CudaCopier, home_device, keep_at_home, offloaded, run_staged
+from .offload import OFFLOAD_TARGETS, home_device, keep_at_home, staged_adamw_update, staged_muon_update
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
@@ -289,17 +288,6 @@ def _keep_moments(state: dict[str, Any], param: Tensor, keys: tuple[str, ...], f
             local_tensor(state[key]).copy_(previous)
 
 
-def _muon_update_staged(items: list[MuonTensors], **settings: Any) -> None:
-    """`muon_update`, or with offloaded state, one bucket at a time with its state streamed to the parameters' GPU a
-    bucket ahead (see `offload.run_staged`)."""
-    if not any(offloaded(item) for item in items):
-        muon_update(items, **settings)
-        return
-    for device, device_items in by_device(items).items():
-        run_staged(functional_buckets(device_items), lambda bucket: muon_update(bucket, **settings),
-                   CudaCopier(device))
-
-
 def _local_adamw_item(item: AdamWTensors) -> AdamWTensors:
     """A DTensor parameter's AdamW tensors as this rank's shards (plain tensors pass through)."""
     positions = None if item.rounding_count is None else shard_positions(item.param)
@@ -378,8 +366,10 @@ class Muon(Optimizer):
         offload: None or "cpu": the moments (Muon's momentum, AdamW's two, their block scales, NorMuon's second
             moment) of parameters on a GPU live in pinned host memory; each step streams them to the GPU one bucket
             of matrices (one AdamW tensor) at a time on a side stream, the next one's copy overlapping this one's
-            update, and writes them back. The GPU then holds about two buckets' state. On CPU parameters, and for
-            DTensor parameters (not yet), it moves nothing and says so once. Not a per-group option.
+            update, and writes them back. The GPU then holds about two buckets' state. DTensor parameters keep
+            DTensor state whose local shards live on the host; the distributed pipeline fetches each chunk's while
+            the chunks before it compute (its GPU holds at most four chunks' state). On CPU parameters it moves
+            nothing and says so once. Not a per-group option.
         normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
             (timm's option; its default is True, ours False: under "match_rms_adamw" both conv modes then give every
             entry AdamW's RMS).
@@ -459,19 +449,12 @@ class Muon(Optimizer):
                 group.setdefault(key, value)
 
     def _say_where_offload_applies(self) -> None:
-        """offload="cpu" moves the state of plain parameters on an accelerator; it says once when it moves none."""
+        """offload="cpu" moves the state of parameters on an accelerator; it says once when it moves none."""
         params = [param for group in self.param_groups for param in group["params"]]
-        if self.offload is None or any(home_device(param, self._offload_for(param)) != param.device
-                                       for param in params):
+        if self.offload is None or any(home_device(param, self.offload) != param.device for param in params):
             return
-        reason = ("every parameter is on the CPU already" if all(param.device.type == "cpu" for param in params)
-                  else "DTensor parameters, and parameters shared over a process_group, keep their state on their "
-                  "devices (not yet offloaded)")
-        warnings.warn(f"Muon: offload={self.offload!r} has no effect here: {reason}", stacklevel=3)
-
-    def _offload_for(self, param: Tensor) -> str | None:
-        """The offload target for a parameter's state: the distributed step keeps its state on its device."""
-        return None if is_spread(param, self.process_group) else self.offload
+        warnings.warn(f"Muon: offload={self.offload!r} has no effect here: every parameter is on the CPU already",
+                      stacklevel=3)
 
     def _option_defaults(self) -> dict[str, Any]:
         """This optimizer's options with their defaults: `self.defaults` without the `differentiable` flag that
@@ -619,7 +602,7 @@ class Muon(Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
             _keep_moments(state, param, ("exp_avg", "exp_avg_sq"), form, rounding_count)
         if self.offload is not None:
-            keep_at_home(state, home_device(param, self._offload_for(param)))
+            keep_at_home(state, home_device(param, self.offload))
         return state
 
     def _muon_step(self, group: dict[str, Any], items: list[MuonTensors]) -> None:
@@ -639,7 +622,7 @@ class Muon(Optimizer):
         for item in items:
             (spread if is_spread(item.param, self.process_group) else local).append(item)
         if local:
-            _muon_update_staged(local, **settings)
+            staged_muon_update(local, **settings)
         if spread:
             distributed_muon_update(spread, process_group=self.process_group, comm_dtype=group["comm_dtype"],
                                     chunk_size=group["chunk_size"], **settings)
@@ -660,15 +643,7 @@ class Muon(Optimizer):
             # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
             # The update itself is elementwise: each rank runs it on its own shards, as plain tensors.
             found_inf = found_inf_flags([item.grad for item in device_items])
-            local_items = [_local_adamw_item(item) for item in device_items]
-            if not any(offloaded(item) for item in local_items):
-                adamw_update(local_items, found_inf, **settings)
-                continue
-            # Offloaded: one parameter at a time, its state streamed a parameter ahead; run_staged updates the
-            # groups in order, so each takes the next flag.
-            flags = iter(found_inf.split(1))
-            run_staged([[item] for item in local_items], lambda one: adamw_update(one, next(flags), **settings),
-                       CudaCopier(found_inf.device))
+            staged_adamw_update([_local_adamw_item(item) for item in device_items], found_inf, **settings)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,

@@ -1,22 +1,26 @@
 """`offload="cpu"`: optimizer state kept in pinned host memory and brought to the compute device one group of
 parameters at a time, the next group's copy in flight while the current one computes.
 
-`run_staged` is the schedule, written against a `Copier` so that it runs, and is tested, without a GPU:
+`run_staged` is the single-device schedule, written against a `Copier` so that it runs, and is tested, without a
+GPU:
     fetch(0); fetch(1); update(0); write back(0); fetch(2); update(1); write back(1); ...
-The CUDA copier issues the copies on a side stream: a fetch waits for nothing on the compute stream (the host memory it
-reads is written back on the same side stream, so in order), an update waits for its fetch's event, and a write-back
-waits for the update's event. The device then holds at most two groups' state at once.
+The distributed pipeline stages its chunks with the same `start_fetch` / `staged` / `Copier.write_back`, a chunk's
+fetch issued while the chunks before it compute. The CUDA copier issues the copies on a side stream: a fetch waits
+for nothing on the compute stream (the host memory it reads is written back on the same side stream, so in order),
+an update waits for its fetch's event, and a write-back waits for the update's event. The device then holds at most
+two groups' state at once (four chunks' in the distributed pipeline).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
+from .functional import AdamWTensors, MuonTensors, adamw_update, buckets, by_device, muon_update
 from .state_precision import MOMENT_KEYS, scale_key
 
 OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
@@ -37,11 +41,14 @@ def home_device(param: Tensor, offload: str | None) -> torch.device:
 
 def keep_at_home(state: dict[str, Any], home: torch.device) -> None:
     """Moves a parameter's offloadable state where it lives (after its creation on the parameter's device, or a
-    checkpoint load, which torch places there); host copies are pinned, so the transfers run asynchronously."""
+    checkpoint load, which torch places there); host copies are pinned, so the transfers run asynchronously.
+
+    `empty_like` + `copy_` rather than `.to(home).pin_memory()`: one copy, and a DTensor stays a DTensor on its mesh
+    with its local shard at home (as FSDP2's CPU offload keeps its parameters), which checkpoints reshard as usual."""
+    pin = home.type == "cpu" and torch.cuda.is_available()
     for key in OFFLOADED_STATE:
         if key in state and state[key].device != home:
-            moved = state[key].to(home)
-            state[key] = moved.pin_memory() if home.type == "cpu" and torch.cuda.is_available() else moved
+            state[key] = torch.empty_like(state[key], device=home, pin_memory=pin).copy_(state[key])
 
 
 def offloaded(item: Any) -> bool:
@@ -98,26 +105,62 @@ class CudaCopier:
         self.stream.synchronize()  # the host may read the state as soon as step() returns
 
 
+def staged_muon_update(items: list[MuonTensors], **settings: Any) -> None:
+    """`muon_update`, or with offloaded state, one bucket at a time with its state streamed to the parameters' GPU a
+    bucket ahead."""
+    if not any(offloaded(item) for item in items):
+        muon_update(items, **settings)
+        return
+    for device, device_items in by_device(items).items():
+        run_staged(buckets(device_items), lambda bucket: muon_update(bucket, **settings), CudaCopier(device))
+
+
+def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor, **settings: Any) -> None:
+    """`adamw_update` of one device's items, or with offloaded state, one parameter at a time with its state
+    streamed a parameter ahead; `run_staged` updates them in order, so each takes the next of the flags."""
+    if not any(offloaded(item) for item in items):
+        adamw_update(items, found_inf, **settings)
+        return
+    flags = iter(found_inf.split(1))
+    run_staged([[item] for item in items], lambda one: adamw_update(one, next(flags), **settings),
+               CudaCopier(found_inf.device))
+
+
 def run_staged(groups: Sequence[Sequence[Item]], update: Callable[[list[Item]], None], copier: Copier) -> None:
     """update(group) for each group of functional's items with their offloaded state on the parameters' device: the
     next group's state is fetched before this group's update is issued, and this group's is written back after."""
     if not groups:
         return
-    pending = _fetch(groups[0], copier)
-    for index, group in enumerate(groups):
-        staged, homes, handle = pending
-        copies = copier.ready(handle)
+    pending = start_fetch(groups[0], copier)
+    for index in range(len(groups)):
+        group, copies = staged(pending, copier)
+        homes = pending.homes
         if index + 1 < len(groups):
-            pending = _fetch(groups[index + 1], copier)
-        update(_with_copies(staged, copies))
+            pending = start_fetch(groups[index + 1], copier)
+        update(group)
         copier.write_back(copies, homes)
     copier.finish()
 
 
-def _fetch(group: Sequence[Item], copier: Copier) -> tuple[list[Item], list[Tensor], Any]:
-    """The group, its home tensors in field order, and the fetch of their copies."""
+@dataclass
+class Staging(Generic[Item]):
+    """A group of items whose offloaded state is on its way to their device."""
+
+    items: list[Item]
+    homes: list[Tensor]  # the state's home tensors, in item-then-field order
+    handle: Any
+
+
+def start_fetch(group: Sequence[Item], copier: Copier) -> Staging[Item]:
+    """Starts copying the group's offloaded state (plain tensors: a DTensor's local shards) to its device."""
     homes = [getattr(item, field) for item in group for field in _fields(item)]
-    return list(group), homes, copier.fetch(homes, group[0].param.device)
+    return Staging(list(group), homes, copier.fetch(homes, group[0].param.device))
+
+
+def staged(staging: Staging[Item], copier: Copier) -> tuple[list[Item], list[Tensor]]:
+    """The group's items holding the device copies of their state, and those copies (for `Copier.write_back`)."""
+    copies = copier.ready(staging.handle)
+    return _with_copies(staging.items, copies), copies
 
 
 def _fields(item: Any) -> list[str]:
@@ -125,9 +168,9 @@ def _fields(item: Any) -> list[str]:
 
 
 def _with_copies(group: list[Item], copies: list[Tensor]) -> list[Item]:
-    staged, position = [], 0
+    moved, position = [], 0
     for item in group:
         fields = _fields(item)
-        staged.append(replace(item, **dict(zip(fields, copies[position:position + len(fields)]))))
+        moved.append(replace(item, **dict(zip(fields, copies[position:position + len(fields)]))))
         position += len(fields)
-    return staged
+    return moved

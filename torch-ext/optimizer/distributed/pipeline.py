@@ -1,13 +1,14 @@
 """One chunk of matrices through momentum -> all-to-all to owners -> Newton-Schulz -> all-to-all back -> update.
 
-Each chunk is a generator that yields right after launching each all-to-all; `run_staggered` starts one new chunk
-per round, so a chunk's transfers are in flight while the chunk before it computes.
+Each chunk is a generator that yields right after launching each all-to-all (and, with offloaded state, after
+starting the copy of its state to the device); `run_staggered` starts one new chunk per round, so a chunk's
+transfers are in flight while the chunk before it computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch import Tensor
 from ..functional import LearningRate, MuonTensors, momentum_step_, update_step_size
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
+from ..offload import Copier, staged, start_fetch
 from . import comm
 from .dtensors import local_or_none, local_tensor
 from .layout import ShardLayout, box_numel, box_shape, shard_positions
@@ -78,7 +80,14 @@ def _advance(active: list[ChunkPipeline]) -> list[ChunkPipeline]:
     return still_running
 
 
-def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPipeline:
+def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings,
+                   copier: Copier | None = None) -> ChunkPipeline:
+    """The chunk's stages; with a `copier`, its offloaded state is fetched first and written back last."""
+    if copier is not None:
+        staging = start_fetch([_with_local_state(item.tensors) for item in chunk], copier)
+        yield
+        tensors, copies = staged(staging, copier)
+        chunk = [replace(item, tensors=moved) for item, moved in zip(chunk, tensors)]
     layouts = [item.layout for item in chunk]
     owners = [item.owner for item in chunk]
     gather = gather_exchange(layouts, owners, settings.rank)
@@ -118,6 +127,15 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings) -> ChunkPi
                                      settings.normalize_spatial, rms_scale)
         apply_update(local_tensor(item.tensors.param), update, finite[j], item.tensors.nonfinite_skips,
                      lr=settings.lr, weight_decay=settings.weight_decay, step_size=step_size)
+    if copier is not None:
+        copier.write_back(copies, staging.homes)
+
+
+def _with_local_state(tensors: MuonTensors) -> MuonTensors:
+    """The item with its state as this rank's shards, the tensors an offloaded state's copies stand in for."""
+    return replace(tensors, momentum_buffer=local_tensor(tensors.momentum_buffer),
+                   momentum_scales=local_or_none(tensors.momentum_scales),
+                   second_moment=local_or_none(tensors.second_moment))
 
 
 def _my_update(j: int, item: SpreadItem, orthogonal: dict[int, Tensor], received: dict[int, Tensor],

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..functional import LearningRate, MuonTensors, muon_update
+from .. import offload
+from ..functional import LearningRate, MuonTensors
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
@@ -60,7 +61,11 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         spread = [replace(item, owner=owner) for item, owner in zip(spread, owners)]
         settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
                                   adjust_lr_fn, normalize_spatial, normalization, normalization_beta)
-        run_staggered(chunk_pipeline([spread[i] for i in chunk], settings) for chunk in chunks)
+        copier = (offload.CudaCopier(spread[0].grad.device)
+                  if any(offload.offloaded(item.tensors) for item in spread) else None)
+        run_staggered(chunk_pipeline([spread[i] for i in chunk], settings, copier) for chunk in chunks)
+        if copier is not None:
+            copier.finish()
 
 
 def _by_group(items: Sequence[MuonTensors], process_group: dist.ProcessGroup | None
@@ -128,4 +133,4 @@ def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], **sett
                                        local_or_none(item.second_moment), item.update_step, item.rounding_count,
                                        local_or_none(item.momentum_scales), positions))
     if local_items:
-        muon_update(local_items, **settings)
+        offload.staged_muon_update(local_items, **settings)
