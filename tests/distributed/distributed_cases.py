@@ -80,16 +80,17 @@ def run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], tor
 
 def dtensor_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], atol: float = FP32_ATOL,
                  nan_at: tuple[int, int, tuple[int, ...]] | None = None,
-                 comm_dtype: torch.dtype | None = torch.float32, **options) -> None:
+                 comm_dtype: torch.dtype | None = torch.float32, shapes: Sequence[tuple[int, ...]] = SHAPES,
+                 **options) -> None:
     """DTensors made with distribute_tensor; comm_dtype None leaves Muon's default (bfloat16). Every rank made the
     same global tensors, so each splits its own part (src_data_rank=None; DTensor's scatter path also refuses
     uneven strided shards)."""
     mesh = init_device_mesh("cpu", mesh_shape)
-    params = [distribute_tensor(t, mesh, placements, src_data_rank=None) for t in randn_tensors(SHAPES, seed=0)]
+    params = [distribute_tensor(t, mesh, placements, src_data_rank=None) for t in randn_tensors(shapes, seed=0)]
     make_grad = partial(distribute_tensor, device_mesh=mesh, placements=placements, src_data_rank=None)
     if comm_dtype is not None:
         options["comm_dtype"] = comm_dtype
-    ours, truth, reference = run_pair(params, make_grad, SHAPES, nan_at=nan_at, **options)
+    ours, truth, reference = run_pair(params, make_grad, shapes, nan_at=nan_at, **options)
     assert_matches(params, reference, atol)
     buffers = [ours.state[p]["momentum_buffer"] for p in params]
     for p, buffer in zip(params, buffers):  # momentum stays sharded like its parameter
@@ -145,6 +146,32 @@ def _assert_second_moments_match(ours: Muon, truth: Muon, params: Sequence[torch
     assert_matches(moments, [truth.state[q]["update_sq"] for q in reference], atol)
     steps = [float(ours.state[p]["update_step"]) for p in params]
     assert steps == [float(truth.state[q]["update_step"]) for q in reference], steps
+
+
+# Shapes whose Newton-Schulz work whole matrices cannot balance over 2 or 4 ranks, so the owners divide it: a wide and
+# a tall matrix by the columns of their wide orientation (256 >= 2 * MIN_SHARE_COLUMNS), beside two small ones.
+DIVIDED_SHAPES = [(40, 256), (256, 24), (8, 8), (6, 10)]
+# An expert bank not held whole by any rank (split along its rows) that outweighs the rest: divided by its experts.
+EXPERT_SHAPES = [(8, 32, 48), (12, 12)]
+
+
+def divided_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], shapes: Sequence[tuple[int, ...]],
+                 kind: str, **options) -> None:
+    """dtensor_case on shapes whose owners divide them (the single-device result, within its tolerance), checking
+    that the step's plan did divide them as `kind` says."""
+    assignment = submodule(optimizer, "distributed.assignment")
+    plans = []
+    original = assignment.chunked_shares
+
+    def recording(*args, **kwargs):
+        plans.append(original(*args, **kwargs))
+        return plans[-1]
+
+    step = submodule(optimizer, "distributed.step")
+    with mock.patch.object(step, "chunked_shares", recording):
+        dtensor_case(mesh_shape, placements, shapes=shapes, **options)
+    kinds = {share.kind for shares, _ in plans for item_shares in shares for share in item_shares}
+    assert kind in kinds, kinds
 
 
 def nonfinite_shard_case(world: int) -> None:
@@ -242,14 +269,17 @@ def _traffic_of_one_step(opt: Muon) -> tuple[int, int]:
     return traffic[0], traffic[1]
 
 
-def plan_step_bytes_case(world: int, placements: Sequence[Placement], **options) -> None:
+def plan_step_bytes_case(world: int, placements: Sequence[Placement], shapes: Sequence[tuple[int, ...]] = SHAPES,
+                         **options) -> None:
     """optimizer.plan_step's bytes per rank are the bytes the step sends and receives, exactly."""
     mesh = init_device_mesh("cpu", (world,))
-    params = [distribute_tensor(t, mesh, placements, src_data_rank=None) for t in randn_tensors(SHAPES, seed=0)]
-    for param, grad in zip(params, randn_tensors(SHAPES, seed=1)):
+    params = [distribute_tensor(t, mesh, placements, src_data_rank=None) for t in randn_tensors(shapes, seed=0)]
+    for param, grad in zip(params, randn_tensors(shapes, seed=1)):
         param.grad = distribute_tensor(grad, mesh, placements, src_data_rank=None)
     sent, received = _traffic_of_one_step(Muon(params, lr=LR, **options))
-    plan = optimizer.plan_step(SHAPES, world, placements=placements, **options)
+    # Muon's ns_dtype=None is this CPU's fastest dtype; plan_step's default is a GPU's bfloat16.
+    plan = optimizer.plan_step(shapes, world, placements=placements,
+                               **({"ns_dtype": optimizer.default_ns_dtype(torch.device("cpu"))} | options))
     rank = dist.get_rank()
     assert (sent, received) == (plan.bytes_sent_per_rank[rank], plan.bytes_received_per_rank[rank]), \
         (sent, received, plan)
@@ -349,6 +379,20 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "plan_step_bytes_shard0": partial(plan_step_bytes_case, world, [Shard(0)]),
         "plan_step_bytes_shard1_fp32_one_per_chunk": partial(plan_step_bytes_case, world, [Shard(1)],
                                                               comm_dtype=torch.float32, chunk_size=1),
+        # Matrices divided between owners (columns, with the Gram parts exchanged each step) and banks divided by
+        # experts; sharded, replicated and 2D meshes, bf16 traffic, the AOL preconditioner, timm's scalings, NaN.
+        "divided_columns_shard0": partial(divided_case, (world,), [Shard(0)], DIVIDED_SHAPES, "columns"),
+        "divided_columns_shard1_aol": partial(divided_case, (world,), [Shard(1)], DIVIDED_SHAPES, "columns",
+                                              preconditioner="aol"),
+        "divided_columns_replicated_safety_scale_eps": partial(divided_case, (world,), [Replicate()], DIVIDED_SHAPES,
+                                                               "columns", safety_factor=1.05, scale_eps=True),
+        "divided_columns_nonfinite": partial(divided_case, (world,), [Shard(0)], DIVIDED_SHAPES, "columns",
+                                             nan_at=(0, 1, (3, 200))),
+        "divided_columns_bf16_comm": partial(divided_case, (world,), [Shard(0)], DIVIDED_SHAPES, "columns",
+                                             atol=TRAINED_BF16_ATOL, comm_dtype=None),
+        "divided_experts_shard1": partial(divided_case, (world,), [Shard(1)], EXPERT_SHAPES, "experts"),
+        "plan_step_bytes_divided": partial(plan_step_bytes_case, world, [Shard(0)], shapes=DIVIDED_SHAPES,
+                                           ns_dtype=torch.float32, ns_algorithm="standard"),
         # offload="cpu": the pipeline and the in-place expert bank staged through a recording copier.
         "shard0_offloaded_int8_state": partial(offload_case, world, state_dtype="int8", chunk_size=2),
         "shard0_offloaded_neuron_normalization": partial(offload_case, world, normalization="neuron",

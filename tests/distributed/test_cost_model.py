@@ -1,8 +1,13 @@
 """`optimizer.plan_step`, the cost model, in plain Python: its bytes against a count made here from torch.chunk (DTensor's
-Shard split) and its owners, its FLOPs against the products counted by hand, expert banks kept in place, and the
-roofline times. Its bytes against a real step's traffic: the plan_step_bytes gloo cases in distributed_cases.py."""
+Shard split) and its shares, its FLOPs against the products counted by hand, expert banks kept in place, the roofline
+times, and the balance of Newton-Schulz work on whole models at 8, 64 and 512 ranks. Its bytes against a real step's
+traffic: the plan_step_bytes gloo cases in distributed_cases.py."""
 
 from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +15,12 @@ from torch.distributed.tensor import Shard
 
 from kernel_under_test import optimizer, submodule
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from model_shapes import DEEPSEEK_V3_LIKE, GPT2_SMALL, LLAMA_3_8B  # noqa: E402
+
 assignment = submodule(optimizer, "distributed.assignment")
+layout_module = submodule(optimizer, "distributed.layout")
 routing = submodule(optimizer, "routing")
-GPT2_SMALL = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12
 
 
 def _rows_held(rows: int, world: int) -> list[int]:
@@ -26,25 +34,58 @@ def _hand_flops(shape: tuple[int, int], steps: int) -> int:
     return steps * (2 * m * m * n + 2 * m ** 3 + 2 * m * m * n)  # X Xᵀ, A², (bA + cA²) X
 
 
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
 @pytest.mark.parametrize("world", [2, 8, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_bytes_are_every_shard_to_its_owner_and_back(world: int, dtype: torch.dtype) -> None:
+def test_bytes_are_every_shard_to_its_owners_and_back(world: int, dtype: torch.dtype) -> None:
+    """Counted here from torch.chunk's rows and the plan's shares: each rank's rows of a share go to its owner and
+    come back; the owners of a divided matrix send each other their (m, m) Gram parts each step and one square."""
     plan = optimizer.plan_step(GPT2_SMALL, world, comm_dtype=dtype)
-    costs = [assignment.iteration_flops(routing.matrix_view(torch.Size(shape)), 5, "auto", torch.bfloat16)
-             for shape in GPT2_SMALL]
-    owners = assignment.assign_owners(costs, world)
+    layouts = [layout_module.sharded_layout(shape, (world,), (Shard(0),), tuple(range(world))) for shape in GPT2_SMALL]
+    works = [assignment.work_of(routing.matrix_view(torch.Size(shape)), layout, 5, "auto", torch.bfloat16)
+             for shape, layout in zip(GPT2_SMALL, layouts)]
+    shares, _ = assignment.chunked_shares(works, world, None)
     itemsize = torch.empty((), dtype=dtype).element_size()
     sent, received = [0] * world, [0] * world
-    for (rows, cols), owner in zip(GPT2_SMALL, owners):
-        for rank, held in enumerate(_rows_held(rows, world)):
-            if rank != owner:  # its rows go to the owner, and come back orthogonalized
-                moved = held * cols * itemsize
-                sent[rank] += moved
-                received[owner] += moved
-                sent[owner] += moved
-                received[rank] += moved
+    for (rows, cols), item_shares in zip(GPT2_SMALL, shares):
+        held = list(itertools.accumulate([0] + _rows_held(rows, world)))
+        for share in item_shares:
+            wanted = [(0, rows), (0, cols)]
+            if share.kind is not None:
+                wanted[share.dim] = (share.start, share.stop)
+            for rank in range(world):
+                if rank != share.owner:  # its part of the share goes to the owner, and comes back orthogonalized
+                    moved = _overlap((held[rank], held[rank + 1]), wanted[0]) * _overlap((0, cols), wanted[1])
+                    moved *= itemsize
+                    sent[rank] += moved
+                    received[share.owner] += moved
+                    sent[share.owner] += moved
+                    received[rank] += moved
+            if share.kind == "columns":
+                exchanged = (len(item_shares) - 1) * (5 * min(rows, cols) ** 2 * 2 + 4)  # bf16 Gram parts, a square
+                sent[share.owner] += exchanged
+                received[share.owner] += exchanged
     assert plan.bytes_sent_per_rank == sent and plan.bytes_received_per_rank == received
     assert plan.bytes_per_rank == sent
+    assert (world == 64) == any(len(item_shares) > 1 for item_shares in shares)  # 48 matrices divide at 64 ranks
+
+
+# FSDP2's Shard(0) everywhere, but DeepSeek's experts at 512 ranks: 256 experts on dim 0 would leave half the ranks
+# without any (and without the bulk of the work, which whole experts updated in place cannot move), so there the
+# banks shard along their rows as `fully_shard(shard_placement_fn=...)` can, and are divided by experts.
+BALANCE_CASES = [(name, shapes, world, Shard(1) if name == "deepseek-v3" and world == 512 else Shard(0))
+                 for name, shapes in [("gpt2-small", GPT2_SMALL), ("llama-3-8b", LLAMA_3_8B),
+                                      ("deepseek-v3", DEEPSEEK_V3_LIKE)] for world in (8, 64, 512)]
+
+
+@pytest.mark.parametrize("name,shapes,world,placement", BALANCE_CASES, ids=[f"{c[0]}-{c[2]}" for c in BALANCE_CASES])
+def test_newton_schulz_work_is_balanced_on_whole_models(name: str, shapes: list, world: int, placement) -> None:
+    plan = optimizer.plan_step(shapes, world, placements=(placement,))
+    assert plan.balance <= 1.05, plan.balance
+    assert plan.balance == max(plan.flops_per_rank) / (sum(plan.flops_per_rank) / world)
 
 
 def test_flops_are_the_products_of_the_iteration_each_owner_runs() -> None:
@@ -70,10 +111,11 @@ def test_an_expert_bank_sharded_on_its_experts_stays_in_place() -> None:
 
 def test_times_follow_the_roofline_of_the_slowest_rank() -> None:
     device = optimizer.DeviceModel(matmul_flops=1e12, link_bytes_per_s=1e9, collective_latency_s=0.0)
-    plan = optimizer.plan_step([(1024, 1024)], 2, comm_dtype=torch.float32, device=device)
-    # Rank 0 owns it: it receives rank 1's 512 rows and sends them back; one chunk, so nothing overlaps.
+    plan = optimizer.plan_step([(1024, 1024)] * 2, 2, comm_dtype=torch.float32, device=device)
+    # One matrix per rank: each receives the other's 512 rows of its own and sends its rows of the other's, then the
+    # same back; one chunk, so nothing overlaps.
     half = 512 * 1024 * 4
-    assert plan.bytes_sent_per_rank == [half, half]
+    assert plan.bytes_sent_per_rank == [2 * half, 2 * half]
     compute = _hand_flops((1024, 1024), 5) / 1e12
     assert plan.time_serial_s == pytest.approx(compute + 2 * half / 1e9)
     assert plan.time_overlapped_s == pytest.approx(plan.time_serial_s)

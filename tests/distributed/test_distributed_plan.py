@@ -24,14 +24,49 @@ def gpt_matrix_shapes(layers: int, width: int) -> list[tuple[int, int]]:
     return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
 
 
+def _works(shapes, world: int, dtype: torch.dtype = torch.bfloat16) -> list:
+    layouts = [layout_module.sharded_layout(shape, (world,), (Shard(0),), tuple(range(world))) for shape in shapes]
+    return [assignment.work_of(routing.matrix_view(torch.Size(shape)), layout, 5, "auto", dtype)
+            for shape, layout in zip(shapes, layouts)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("layers,width", [(12, 768), (24, 1024), (32, 4096)])
-def test_owners_balance_newton_schulz_work_over_8_ranks(layers: int, width: int, dtype: torch.dtype) -> None:
-    costs = [assignment.iteration_flops(routing.matrix_view(torch.Size(shape)), 5, "auto", dtype)
-             for shape in gpt_matrix_shapes(layers, width)]
-    owners = assignment.assign_owners(costs, 8)
-    loads = [sum(cost for cost, owner in zip(costs, owners) if owner == rank) for rank in range(8)]
+def test_whole_matrices_balance_newton_schulz_work_over_8_ranks(layers: int, width: int, dtype: torch.dtype) -> None:
+    works = _works(gpt_matrix_shapes(layers, width), 8, dtype)
+    shares, _ = assignment.chunked_shares(works, 8, None)
+    assert all(len(item_shares) == 1 and item_shares[0].kind is None for item_shares in shares)  # none divided
+    loads = assignment.rank_flops(works, shares, 8)
     assert max(loads) / (sum(loads) / 8) <= 1.05, loads
+
+
+@pytest.mark.parametrize("world", [16, 64])
+def test_divided_matrices_go_to_distinct_ranks_and_cover_their_columns(world: int) -> None:
+    shapes = gpt_matrix_shapes(2, 768)  # 8 matrices: too few for the ranks, so the owners divide them
+    works = _works(shapes, world)
+    shares, _ = assignment.chunked_shares(works, world, None)
+    assert sum(len(item_shares) > 1 for item_shares in shares) >= len(shapes) // 2
+    for shape, item_shares in zip(shapes, shares):
+        if len(item_shares) == 1:  # whole, where it fit the room of a rank
+            assert item_shares[0].kind is None
+            continue
+        assert len({share.owner for share in item_shares}) == len(item_shares)
+        long_dim = 0 if shape[0] > shape[1] else 1  # the wide orientation's columns
+        assert all(share.kind == "columns" and share.dim == long_dim for share in item_shares)
+        bounds = [(share.start, share.stop) for share in item_shares]
+        assert bounds[0][0] == 0 and bounds[-1][1] == shape[long_dim]
+        assert all(stop == start for (_, stop), (start, _) in zip(bounds, bounds[1:]))
+        assert min(stop - start for start, stop in bounds) >= assignment.MIN_SHARE_COLUMNS
+    loads = assignment.rank_flops(works, shares, world)
+    assert max(loads) / (sum(loads) / world) <= 1.05
+
+
+def test_banks_divide_by_experts_and_gram_iterations_stay_whole() -> None:
+    bank = _works([(64, 32, 48)], 4)[0]  # split along its rows: no rank holds whole experts
+    assert bank.splitting.kind == "experts" and bank.splitting.length == 64
+    shares, _ = assignment.chunked_shares([bank], 4, None)
+    assert [(share.start, share.stop) for share in shares[0]] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert _works([(64, 1024)], 4, torch.float32)[0].splitting is None  # fp32 "auto" runs the Gram iteration
 
 
 def test_cost_is_the_flop_count_of_the_iteration_that_runs() -> None:
@@ -114,30 +149,47 @@ def _layouts_for_plan_checks() -> list:
 
 
 
+def _shares_for_plan_checks(owners: tuple[int, int], layouts: list) -> list[tuple]:
+    """Whole matrices on the given owners, and the (10, 6) matrix divided in three column shares."""
+    Share = assignment.Share
+    whole = [owners[0], owners[1], owners[1], owners[0], (owners[0] + 1) % 4, (owners[1] + 2) % 4]
+    shares = [(Share(owner),) for owner in whole]
+    shares[0] = tuple(Share((owners[0] + k) % 4, "columns", 1, start, stop)
+                      for k, (start, stop) in enumerate([(0, 2), (2, 4), (4, 6)]))
+    return shares
+
+
 @pytest.mark.parametrize("owners", list(itertools.product(range(4), repeat=2))[::3])
 def test_all_to_all_plans_agree_between_ranks_and_cover_every_element_once(owners: tuple[int, int]) -> None:
     layouts = _layouts_for_plan_checks()
-    owner_of = [owners[0], owners[1], owners[1], owners[0], (owners[0] + 1) % 4, (owners[1] + 2) % 4]
-    gathers = [plan.gather_exchange(layouts, owner_of, rank) for rank in range(4)]
-    scatters = [plan.scatter_exchange(layouts, owner_of, rank) for rank in range(4)]
-    for exchanges in (gathers, scatters):
-        assert len({exchange.moves_data for exchange in exchanges}) == 1
+    shares = _shares_for_plan_checks(owners, layouts)
+    exchanges = [plan.chunk_exchanges(tuple(layouts), tuple(shares), rank) for rank in range(4)]
+    gathers, scatters = [pair[0] for pair in exchanges], [pair[1] for pair in exchanges]
+    for side in (gathers, scatters):
+        assert len({exchange.moves_data for exchange in side}) == 1
         for src, dst in itertools.permutations(range(4), 2):  # what src sends dst is what dst expects from src
-            sent = [(p.item, p.box) for p in exchanges[src].sends if p.peer == dst]
-            expected = [(p.item, p.box) for p in exchanges[dst].receives if p.peer == src]
+            sent = [(p.item, p.share, p.box) for p in side[src].sends if p.peer == dst]
+            expected = [(p.item, p.share, p.box) for p in side[dst].receives if p.peer == src]
             assert sent == expected
-            assert exchanges[src].send_counts[dst] == exchanges[dst].recv_counts[src]
-    for item, (layout, owner) in enumerate(zip(layouts, owner_of)):
-        hits = torch.zeros(layout.shape, dtype=torch.int64)  # the owner's own box plus every box it receives
-        hits[layout.boxes[owner]] += 1
-        for piece in gathers[owner].receives:
-            if piece.item == item:
-                hits[piece.box] += 1
-        assert bool((hits == 1).all()), (item, hits)
-        for rank in range(4):  # after the scatter every other rank has received exactly its own box
-            received = [p.box for p in scatters[rank].receives if p.item == item]
-            holds = layout_module.box_numel(layout.boxes[rank]) > 0
-            assert received == ([layout.boxes[rank]] if rank != owner and holds else [])
+            assert side[src].send_counts[dst] == side[dst].recv_counts[src]
+    for item, (layout, item_shares) in enumerate(zip(layouts, shares)):
+        for index, share in enumerate(item_shares):  # each share's owner gets each of its elements exactly once
+            hits = torch.zeros(layout.shape, dtype=torch.int64)
+            arrived = gathers[share.owner].kept + gathers[share.owner].receives
+            for piece in arrived:
+                if piece.item == item and piece.share == index:
+                    hits[piece.box] += 1
+            wanted = torch.zeros(layout.shape, dtype=torch.int64)
+            wanted[share.box(layout.shape)] = 1
+            assert torch.equal(hits, wanted), (item, index, hits)
+        for rank in range(4):  # after the scatter every rank has each element of its own box exactly once
+            hits = torch.zeros(layout.shape, dtype=torch.int64)
+            for piece in scatters[rank].kept + scatters[rank].receives:
+                if piece.item == item:
+                    hits[piece.box] += 1
+            wanted = torch.zeros(layout.shape, dtype=torch.int64)
+            wanted[layout.boxes[rank]] = 1
+            assert torch.equal(hits, wanted), (item, rank, hits)
 
 
 def test_staggered_chunks_launch_each_gather_before_the_previous_chunk_computes() -> None:

@@ -32,7 +32,7 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     the symmetric products; None lets `kernel_choice` pick by device, dtype and shape. `algorithm`: "standard"
     (three products of X's size per step), "gram" (the same polynomial applied through X's Gram matrix, cheaper for
     rectangular X) or "auto" (see `resolve_algorithm`). `preconditioner="aol"` rescales X's rows before the first
-    step (see `_aol_scaled`), and the "polar_express" preset then assumes it (`resolve_coefficients`).
+    step (see `aol_scaled`), and the "polar_express" preset then assumes it (`resolve_coefficients`).
     `safety_factor` (>= 1) and `scale_eps` change the initial scaling as timm's options do (see `newton_schulz`). The
     result has G's shape and dtype.
     """
@@ -108,26 +108,22 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     torch.optim.Muon, so with the "torch" backend results match it bit for bit. The symmetric products go
     through `backend` (None: chosen per device, dtype and shape). `algorithm` is "standard", "gram" (the iteration on
     the Gram matrix, `_gram_iteration`) or "auto" (see `resolve_algorithm`). `preconditioner` None or "aol"
-    (`_aol_scaled`, on the first Gram matrix, which the first step then reuses). `safety_factor` multiplies the
+    (`aol_scaled`, on the first Gram matrix, which the first step then reuses). `safety_factor` multiplies the
     norm before the division (timm's; Polar Express uses 1.01). `scale_eps` (timm's, for μP, arXiv 2512.05620):
     eps * sqrt(cols / rows) of G as given ((out, in)) is added to the norm instead of clamping it.
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
-    # Clamped (or, under scale_eps, offset): a zero matrix stays exactly zero. The full reduction for 2D is
-    # torch.optim.Muon's, and without a safety factor no multiply is added, so its rounding is torch's too.
+    # The full reduction for 2D is torch.optim.Muon's, and so is its rounding (see `norm_denominator`).
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
-    if safety_factor != 1.0:
-        norm = norm * safety_factor
-    denominator = norm + eps * math.sqrt(G.size(-1) / G.size(-2)) if scale_eps else norm.clamp(min=eps)
-    X = (X / denominator).to(dtype or G.dtype)
+    X = (X / norm_denominator(norm, G.shape, eps, safety_factor, scale_eps)).to(dtype or G.dtype)
     backend = resolve_backend(X, backend)
     if resolve_algorithm(algorithm, X.shape, len(coefficients), X.dtype) == "gram":
         X = _gram_iteration(X, coefficients, backend, preconditioner, eps)
     else:
         gram = None
         if preconditioner == "aol":
-            X, gram = _aol_scaled(X, symmetric_gram(X, backend), eps)
+            X, gram = aol_scaled(X, symmetric_gram(X, backend), eps)
         for a, b, c in coefficients:
             if gram is None:
                 gram = symmetric_gram(X, backend)
@@ -137,7 +133,16 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     return X.mT if tall else X
 
 
-def _aol_scaled(X: Tensor, gram: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def norm_denominator(norm: Tensor, shape: Sequence[int], eps: float, safety_factor: float, scale_eps: bool) -> Tensor:
+    """What a matrix of `shape` (as given: (out, in)) with Frobenius norm `norm` is divided by before the first step.
+    Clamped (or, under scale_eps, offset): a zero matrix stays exactly zero. Without a safety factor no multiply is
+    added, so the rounding is torch.optim.Muon's."""
+    if safety_factor != 1.0:
+        norm = norm * safety_factor
+    return norm + eps * math.sqrt(shape[-1] / shape[-2]) if scale_eps else norm.clamp(min=eps)
+
+
+def aol_scaled(X: Tensor, gram: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """AOL preconditioning (Boissin et al., "Turbo-Muon", arXiv 2512.04632): X's rows scaled by
     d = (|X Xᵀ| 1)^(-1/2), which bounds the spectral norm of D X by 1 and starts its singular values closer to 1
     than the Frobenius scaling does; returns D X and its Gram matrix D (X Xᵀ) D, computed from the one given."""
@@ -200,7 +205,7 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
         backend = kernel_choice(tuple(X.shape), inner_dtype, X.device)
     R = symmetric_gram(start.to(inner_dtype), backend)
     if preconditioner == "aol":
-        start, R = _aol_scaled(start, R, eps)
+        start, R = aol_scaled(start, R, eps)
     Q: Tensor | None = None
     for step, (a, b, c) in enumerate(coefficients):
         if step in restarts:

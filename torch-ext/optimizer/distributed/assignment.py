@@ -1,20 +1,42 @@
-"""Which rank orthogonalizes which matrix, and in which chunks: balanced Newton-Schulz work, decided identically on
-every rank (and by `plan_step`, which predicts a step from the same decisions)."""
+"""Which ranks orthogonalize which matrices, and in which chunks: balanced Newton-Schulz work, decided identically on
+every rank (and by `plan_step`, which predicts a step from the same decisions).
+
+A matrix goes whole to one owner while that balances the ranks within `BALANCE_GOAL`; when a few large matrices (or
+few matrices for many ranks) would not, the divisible ones are laid end to end over the ranks and divided where they
+cross from one rank to the next (`_balanced_shares`): an expert bank by its experts (independent matrices, no extra
+traffic), a matrix by the columns of its wide orientation (its owners then add up their parts of the Gram matrix
+X Xᵀ at every Newton-Schulz step, see `split_newton_schulz`).
+"""
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 
 from ..newton_schulz import gram_flop, resolve_algorithm, standard_flop
 from ..routing import MatrixView
-from .layout import ShardLayout
+from .layout import Box, ShardLayout, box_numel
 
 # Each rank owns about this many matrices per chunk: enough for the owner to batch same-shape matrices, few enough
 # that a step has several chunks whose communication and compute overlap.
 MATRICES_PER_RANK_PER_CHUNK = 2
+# The largest max/mean Newton-Schulz FLOPs over the ranks that whole matrices may leave before some are divided.
+BALANCE_GOAL = 1.05
+# The narrowest column share. Its products are (m, m) by (m, width), which run far below a GPU's peak when width is
+# tiny, and every share adds an (m, m) part of X Xᵀ to each step's exchange.
+MIN_SHARE_COLUMNS = 32
+
+# Plans tried with the room per rank recounted from the last plan's divisions.
+_FILL_ROUNDS = 4
+# Room beyond the mean per rank: shares are whole columns or experts, and never narrower than the minimum, so ranks
+# fill a little short of their room; without slack the shortfall would pile up on the last rank.
+_FILL_SLACK = 0.01
+
+COLUMNS, EXPERTS = "columns", "experts"
 
 
 def iteration_flops(view: MatrixView, steps: int, algorithm: str, dtype: torch.dtype) -> float:
@@ -26,27 +48,72 @@ def iteration_flops(view: MatrixView, steps: int, algorithm: str, dtype: torch.d
     return view.batch * flop(short, long, steps)
 
 
-def assign_owners(costs: Sequence[float], world: int) -> list[int]:
-    """Owner rank per item: largest cost first, each to the least-loaded rank (the lowest rank on ties).
-
-    Greedy longest-processing-time scheduling: its makespan is within 4/3 of the optimum, and much closer when
-    there are many items per rank, as there are for a transformer's matrices.
-    """
-    if world < 1:
-        raise ValueError(f"Invalid world: {world!r} (expected at least one rank)")
-    loads = [(0, rank) for rank in range(world)]
-    owners = [0] * len(costs)
-    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):  # stable: equal costs keep their order
-        load, rank = heapq.heappop(loads)
-        owners[index] = rank
-        heapq.heappush(loads, (load + costs[index], rank))
-    return owners
+def column_share_flops(short: int, width: int, steps: int) -> float:
+    """FLOPs of one share of `width` columns of a wide (short, n) matrix in the divided standard iteration: per step
+    its part of X Xᵀ, then Y = A X_j and A Y (the polynomial applied without forming A², which would cost every
+    owner the whole m³)."""
+    return steps * 6.0 * short * short * width
 
 
-def by_decreasing_cost(costs: Sequence[float]) -> list[int]:
-    """Item indices, largest cost first (stable), the order chunks are cut in: each chunk then spreads its work
-    over the ranks the way `assign_owners` spread the whole step's."""
-    return sorted(range(len(costs)), key=lambda i: -costs[i])
+@dataclass(frozen=True)
+class Splitting:
+    """How an item may be divided: along storage dim `dim` (`length` long), into shares of at least `min_width`
+    indices costing `unit_flops` per index; `kind` EXPERTS (whole matrices) or COLUMNS (one matrix's long dim)."""
+
+    kind: str
+    dim: int
+    length: int
+    unit_flops: float
+    min_width: int
+
+
+@dataclass(frozen=True)
+class Work:
+    """One item's Newton-Schulz FLOPs whole, and how it may be divided (None: it may not)."""
+
+    flops: float
+    splitting: Splitting | None = None
+
+
+@dataclass(frozen=True)
+class Share:
+    """The part of an item one rank orthogonalizes: storage indices [start, stop) along `dim` of kind `kind`, or
+    the whole item (`kind` None)."""
+
+    owner: int
+    kind: str | None = None
+    dim: int = 0
+    start: int = 0
+    stop: int = 0
+
+    def box(self, shape: Sequence[int]) -> Box:
+        """The share's box of the item's (storage-order) tensor."""
+        full = [slice(0, size) for size in shape]
+        if self.kind is not None:
+            full[self.dim] = slice(self.start, self.stop)
+        return tuple(full)
+
+
+def work_of(view: MatrixView, layout: ShardLayout, steps: int, algorithm: str, dtype: torch.dtype) -> Work:
+    """An item's work and how it may be divided: a bank of several experts along its one batch dim; a single
+    matrix along the long dim of its wide orientation when it runs the standard iteration (the Gram iteration's
+    (m, m) products cannot be divided that way). Only along dims whose storage order is the global order."""
+    flops = iteration_flops(view, steps, algorithm, dtype)
+    ndim = len(layout.shape)
+    in_order = [dim for dim in range(ndim) if not layout.orders or layout.orders[dim] is None]
+    batch_dims = view.batch_dims(ndim)
+    if view.spatial_batched:
+        return Work(flops)
+    if view.batch > 1:
+        if len(batch_dims) == 1 and batch_dims[0] in in_order:
+            return Work(flops, Splitting(EXPERTS, batch_dims[0], view.batch, flops / view.batch, 1))
+        return Work(flops)
+    short, long = sorted((view.rows, view.cols))
+    long_dim = view.row_dim if view.rows > view.cols else (view.column_dims[0] if len(view.column_dims) == 1 else None)
+    if (ndim != 2 or long_dim not in in_order or long < 2 * MIN_SHARE_COLUMNS
+            or resolve_algorithm(algorithm, (short, long), steps, dtype) != "standard"):
+        return Work(flops)
+    return Work(flops, Splitting(COLUMNS, long_dim, long, column_share_flops(short, 1, steps), MIN_SHARE_COLUMNS))
 
 
 def holds_whole_matrices(view: MatrixView, layout: ShardLayout) -> bool:
@@ -56,9 +123,116 @@ def holds_whole_matrices(view: MatrixView, layout: ShardLayout) -> bool:
     return layout.is_sharded and all(dim in batch_dims for dim in layout.split_dims)
 
 
-def chunked_owners(costs: Sequence[float], world: int, chunk_size: int | None) -> tuple[list[int], list[list[int]]]:
-    """The owner rank of each item and the chunks the pipeline runs them in (item indices, largest cost first;
-    `chunk_size` items each, None: MATRICES_PER_RANK_PER_CHUNK per rank)."""
-    ordered = by_decreasing_cost(costs)
+def in_place_loads(banks: Iterable[tuple[MatrixView, ShardLayout]], world: int, steps: int, algorithm: str,
+                   dtype: torch.dtype) -> list[float]:
+    """Per rank, the Newton-Schulz FLOPs of the whole matrices it holds of the banks updated in place."""
+    loads = [0.0] * world
+    for view, layout in banks:
+        for rank, box in enumerate(layout.boxes):
+            loads[rank] += iteration_flops(replace(view, batch=box_numel(box) // (view.rows * view.cols)), steps,
+                                           algorithm, dtype)
+    return loads
+
+
+def chunked_shares(works: Sequence[Work], world: int, chunk_size: int | None,
+                   base_loads: Sequence[float] | None = None) -> tuple[list[tuple[Share, ...]], list[list[int]]]:
+    """The shares of each item and the chunks the pipeline runs the items in (item indices, largest work first;
+    `chunk_size` items each, None: MATRICES_PER_RANK_PER_CHUNK per rank). `base_loads`: FLOPs each rank has
+    already (its expert banks updated in place)."""
+    if world < 1:
+        raise ValueError(f"Invalid world: {world!r} (expected at least one rank)")
+    base = tuple(base_loads) if base_loads is not None else (0.0,) * world
+    shares = _balanced_shares(tuple(works), world, base)
+    ordered = sorted(range(len(works)), key=lambda i: -works[i].flops)
     size = chunk_size or MATRICES_PER_RANK_PER_CHUNK * world
-    return assign_owners(costs, world), [ordered[start:start + size] for start in range(0, len(ordered), size)]
+    return list(shares), [ordered[start:start + size] for start in range(0, len(ordered), size)]
+
+
+def share_flops(work: Work, share: Share) -> float:
+    return work.flops if share.kind is None else work.splitting.unit_flops * (share.stop - share.start)
+
+
+def rank_flops(works: Sequence[Work], shares: Sequence[tuple[Share, ...]], world: int,
+               base_loads: Sequence[float] | None = None) -> list[float]:
+    """Newton-Schulz FLOPs per rank: its base load and its shares."""
+    loads = list(base_loads) if base_loads is not None else [0.0] * world
+    for work, item_shares in zip(works, shares):
+        for share in item_shares:
+            loads[share.owner] += share_flops(work, share)
+    return loads
+
+
+@lru_cache(maxsize=64)  # every step of a run asks again with the same work
+def _balanced_shares(works: tuple[Work, ...], world: int, base: tuple[float, ...]) -> tuple[tuple[Share, ...], ...]:
+    """Whole items by LPT when that balances the ranks; else the items that cannot be divided by LPT, and the others
+    laid end to end over the ranks' remaining room (McNaughton's wrap-around rule), an item divided where it
+    crosses from one rank to the next: at most one division per rank, so few shares and little extra traffic."""
+    whole = _scheduled(works, range(len(works)), world, list(base))
+    if _balance(works, whole, world, base) <= BALANCE_GOAL:
+        return whole
+    fixed = [index for index, work in enumerate(works) if work.splitting is None]
+    placed = _scheduled(works, fixed, world, list(base))
+    divisible = sorted((index for index, work in enumerate(works) if work.splitting is not None),
+                       key=lambda index: -works[index].flops)
+    # The room each rank is filled to: the mean load, counted first with whole items, then (a divided matrix costs
+    # more than a whole one, see `column_share_flops`) with the last plan's divisions. The most balanced plan.
+    best, total = whole, sum(rank_flops(works, whole, world, base))
+    for _ in range(_FILL_ROUNDS):
+        shares = list(placed)
+        room = [total / world * (1 + _FILL_SLACK) - load for load in rank_flops(works, placed, world, base)]
+        rank = 0
+        for index in divisible:
+            shares[index], rank = _wrapped(works[index], room, rank)
+        if _balance(works, shares, world, base) < _balance(works, best, world, base):
+            best = tuple(shares)
+        total = sum(rank_flops(works, shares, world, base))
+    return best
+
+
+def _wrapped(work: Work, room: list[float], rank: int) -> tuple[tuple[Share, ...], int]:
+    """The item's shares filling `room` (FLOPs each rank may still take, updated) from `rank` on, and the rank the
+    next item starts at. No share is narrower than the splitting's minimum, nor leaves a rest that would be: a rank
+    with less room takes less (or nothing), and the last rank takes whatever is left."""
+    split = work.splitting
+    last = len(room) - 1
+    if work.flops <= room[rank] or rank == last:
+        room[rank] -= work.flops
+        return (Share(rank),), rank
+    pieces: list[tuple[int, int, int]] = []  # (owner, start, stop)
+    start = 0
+    while start < split.length:
+        left = split.length - start
+        width = left if rank == last else min(left, int(room[rank] // split.unit_flops))
+        if 0 < left - width < split.min_width:
+            width = left - split.min_width
+        if width >= split.min_width or width == left:
+            pieces.append((rank, start, start + width))
+            room[rank] -= width * split.unit_flops
+            start += width
+        if start < split.length:
+            rank = min(rank + 1, last)
+    if len(pieces) == 1:  # it went to one rank after all: whole, at its whole cost
+        room[rank] += split.length * split.unit_flops - work.flops
+        return (Share(rank),), rank
+    return tuple(Share(owner, split.kind, split.dim, lo, hi) for owner, lo, hi in pieces), rank
+
+
+def _scheduled(works: Sequence[Work], indices: Iterable[int], world: int,
+               loads: list[float]) -> tuple[tuple[Share, ...], ...]:
+    """The items `indices` whole, by greedy longest-processing-time scheduling onto ranks already carrying `loads`:
+    largest first, each to the least-loaded rank (the lowest rank on ties). Its makespan is within the largest item
+    of the mean, so many small items balance. Other items get no share."""
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
+    result: list[tuple[Share, ...]] = [()] * len(works)
+    for index in sorted(indices, key=lambda index: -works[index].flops):  # stable: equal work keeps its order
+        load, rank = heapq.heappop(heap)
+        result[index] = (Share(rank),)
+        heapq.heappush(heap, (load + works[index].flops, rank))
+    return tuple(result)
+
+
+def _balance(works: Sequence[Work], shares: Sequence[tuple[Share, ...]], world: int, base: Sequence[float]) -> float:
+    loads = rank_flops(works, shares, world, base)
+    mean = sum(loads) / world
+    return max(loads) / mean if mean else 1.0

@@ -1,26 +1,27 @@
 """`plan_step`: what one distributed Muon step costs each rank, predicted from the planning code the step runs.
 
 The step's own decisions, not a model of them: the matrix views (`routing.matrix_view`), the shard layouts
-(`layout.sharded_layout`), which matrices stay where they are (`assignment.holds_whole_matrices`), the owners and
-chunks (`assignment.chunked_owners`), every all-to-all's split sizes (`plan.gather_exchange`,
-`plan.scatter_exchange`) and the work of the iteration each matrix gets (`assignment.iteration_flops`). So the
-bytes are the bytes the pipeline sends, exactly; the FLOPs are that iteration's products, and the times are a
-roofline over a `DeviceModel`.
+(`layout.sharded_layout`), which matrices stay where they are (`assignment.holds_whole_matrices`), the shares, their
+owners and the chunks (`assignment.chunked_shares`), every all-to-all's transfers (`plan.gather_transfers`,
+`plan.scatter_transfers`, and `split_newton_schulz.among_owners` for divided matrices) and the work of the
+iteration each share gets (`assignment.rank_flops`). So the bytes are the bytes the pipeline sends, exactly; the
+FLOPs are those iterations' products, and the times are a roofline over a `DeviceModel`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from ..routing import MatrixView, matrix_view
-from .assignment import chunked_owners, holds_whole_matrices, iteration_flops
+from ..routing import matrix_view
+from .assignment import COLUMNS, chunked_shares, holds_whole_matrices, in_place_loads, rank_flops, work_of
 from .dtensors import Placement
 from .layout import box_numel, sharded_layout
-from .plan import gather_exchange, scatter_exchange
+from .plan import gather_transfers, scatter_transfers
+from .split_newton_schulz import among_owners
 
 
 @dataclass(frozen=True)
@@ -78,58 +79,63 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
         raise ValueError(f"Invalid mesh_shape: {mesh_shape} with placements {placements} for {world} ranks")
     views = [matrix_view(tuple(shape), param_layout, conv_mode) for shape in shapes]
     layouts = [sharded_layout(tuple(shape), mesh_shape, placements, tuple(range(world))) for shape in shapes]
-    def work(view: MatrixView) -> float:
-        return iteration_flops(view, ns_steps, ns_algorithm, ns_dtype)
-
-    flops = [0.0] * world
-    spread = []
-    for j, (view, layout) in enumerate(zip(views, layouts)):
-        if not holds_whole_matrices(view, layout):
-            spread.append(j)
-            continue
-        for rank, box in enumerate(layout.boxes):  # each rank its own matrices, in place
-            flops[rank] += work(replace(view, batch=box_numel(box) // (view.rows * view.cols)))
-    costs = [work(views[j]) for j in spread]
-    owners, chunks = chunked_owners(costs, world, chunk_size)
-    for index, owner in enumerate(owners):
-        flops[owner] += costs[index]
+    in_place = [holds_whole_matrices(view, layout) for view, layout in zip(views, layouts)]
+    iteration = (ns_steps, ns_algorithm, ns_dtype)
+    base = in_place_loads([pair for pair, local in zip(zip(views, layouts), in_place) if local], world, *iteration)
+    spread = [j for j, local in enumerate(in_place) if not local]
+    works = [work_of(views[j], layouts[j], *iteration) for j in spread]
+    shares, chunks = chunked_shares(works, world, chunk_size, base)
+    flops = rank_flops(works, shares, world, base)
     sent, received = [0] * world, [0] * world
-    itemsize = torch.empty((), dtype=comm_dtype).element_size()
     collectives = 0
-    # Per chunk, the bytes each rank's link carries in its gather and in its scatter (the larger direction).
-    link_bytes: list[tuple[list[int], list[int]]] = []
+    # Per exchange, the bytes each rank's link carries (the larger direction): the first is a chunk's gather, the
+    # last its scatter.
+    link_bytes: list[list[int]] = []
+    comm_size = torch.empty((), dtype=comm_dtype).element_size()
+    gram_size = torch.empty((), dtype=ns_dtype).element_size()
     for chunk in chunks:
         chunk_layouts = [layouts[spread[i]] for i in chunk]
-        chunk_owners = [owners[i] for i in chunk]
-        carried = []
-        for exchange_of in (gather_exchange, scatter_exchange):
-            exchanges = [exchange_of(chunk_layouts, chunk_owners, rank) for rank in range(world)]
-            collectives += exchanges[0].moves_data  # the same on every rank
-            for rank, exchange in enumerate(exchanges):
-                sent[rank] += exchange.send_total * itemsize
-                received[rank] += exchange.recv_total * itemsize
-            carried.append([max(exchange.send_total, exchange.recv_total) * itemsize for exchange in exchanges])
-        link_bytes.append((carried[0], carried[1]))
+        chunk_shares = [shares[i] for i in chunk]
+        exchanges = [(gather_transfers(chunk_layouts, chunk_shares), comm_size)]
+        divided = {index: [share.owner for share in item_shares] for index, item_shares in enumerate(chunk_shares)
+                   if item_shares[0].kind == COLUMNS}
+        if divided:  # split Newton-Schulz: the squares for the norm, then each step's parts of X Xᵀ
+            squares = {index: (1,) for index in divided}
+            grams = {index: (min(views[spread[chunk[index]]].rows, views[spread[chunk[index]]].cols),) * 2
+                     for index in divided}
+            exchanges.append((among_owners(divided, squares), 4))
+            exchanges += [(among_owners(divided, grams), gram_size)] * ns_steps
+        exchanges.append((scatter_transfers(chunk_layouts, chunk_shares), comm_size))
+        for transfers, itemsize in exchanges:
+            out, into = [0] * world, [0] * world
+            for transfer in transfers:
+                if transfer.source != transfer.target:
+                    out[transfer.source] += box_numel(transfer.box) * itemsize
+                    into[transfer.target] += box_numel(transfer.box) * itemsize
+            collectives += any(out)
+            sent = [a + b for a, b in zip(sent, out)]
+            received = [a + b for a, b in zip(received, into)]
+            link_bytes.append([max(a, b) for a, b in zip(out, into)])
     serial = overlapped = None
     if device is not None:
         serial, overlapped = _times(flops, link_bytes, collectives, device)
     return StepPlan(flops, sent, received, collectives, len(chunks), serial, overlapped)
 
 
-def _times(flops: list[float], link_bytes: list[tuple[list[int], list[int]]], collectives: int,
+def _times(flops: list[float], link_bytes: list[list[int]], collectives: int,
            device: DeviceModel) -> tuple[float, float]:
     """(serial, overlapped) step times of the slowest rank. A rank's transfer time is, per all-to-all, the larger of
     what it sends and receives over the link bandwidth, plus each collective's latency. Serial: products plus
     transfers. Overlapped: the first chunk's gather and the last chunk's scatter wait (nothing runs beside them), the
     other transfers run under the products."""
     serial = overlapped = 0.0
-    for rank, rank_flops in enumerate(flops):
-        compute = rank_flops / device.matmul_flops
-        transfer = (sum(gather[rank] + scatter[rank] for gather, scatter in link_bytes) / device.link_bytes_per_s
+    for rank, own_flops in enumerate(flops):
+        compute = own_flops / device.matmul_flops
+        transfer = (sum(carried[rank] for carried in link_bytes) / device.link_bytes_per_s
                     + collectives * device.collective_latency_s)
         exposed = 0.0
         if link_bytes:
-            exposed = (link_bytes[0][0][rank] + link_bytes[-1][1][rank]) / device.link_bytes_per_s
+            exposed = (link_bytes[0][rank] + link_bytes[-1][rank]) / device.link_bytes_per_s
         serial = max(serial, compute + transfer)
         overlapped = max(overlapped, exposed + max(compute, transfer - exposed))
     return serial, overlapped

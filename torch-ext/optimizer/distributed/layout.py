@@ -38,10 +38,24 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in box)
 
 
-@dataclass(frozen=True)
+def intersection(a: Box, b: Box) -> Box | None:
+    """The box both hold, or None when they share no element."""
+    common = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+    return common if all(s.start < s.stop for s in common) else None
+
+
+def within(box: Box, outer: Box) -> Box:
+    """`box`, a part of `outer`, in the coordinates of a tensor holding `outer`."""
+    return tuple(slice(s.start - o.start, s.stop - o.start) for s, o in zip(box, outer))
+
+
+@dataclass(frozen=True, eq=False)
 class ShardLayout:
     """`boxes[r]` is the box, in storage order, of the global tensor (shape `shape`) that rank r holds; boxes may
-    repeat (replicas). `orders[d]` maps storage positions of dim d to global indices (None: the same)."""
+    repeat (replicas). `orders[d]` maps storage positions of dim d to global indices (None: the same).
+
+    Compared and hashed by identity (slices are unhashable before Python 3.12): `sharded_layout` returns the same
+    object for the same placements, so plans cached on layouts are found again at every step."""
 
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]

@@ -18,12 +18,15 @@ from ..functional import LearningRate, MuonTensors, momentum_step_, update_step_
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from ..offload import Copier, staged, start_fetch
+from ..routing import MatrixView
 from . import comm
+from .assignment import COLUMNS, Share
 from .dtensors import local_or_none, local_tensor
-from .layout import ShardLayout, box_numel, box_shape, shard_positions
+from .layout import Box, ShardLayout, box_numel, box_shape, shard_positions, within
 from .normalize_shards import normalize_shards
 from .orthogonalize import apply_update, orthogonalize
-from .plan import Exchange, gather_exchange, scatter_exchange
+from .plan import Exchange, chunk_exchanges
+from .split_newton_schulz import split_newton_schulz
 
 ChunkPipeline = Generator[None, None, None]
 
@@ -48,13 +51,14 @@ class SpreadSettings:
 
 @dataclass(frozen=True)
 class SpreadItem:
-    """One Muon parameter of the step, with its layout over the group, its owner, its local gradient (set to
-    NaN when another rank's shard of it is not finite, so that every rank skips it) and whether it is finite on
-    every rank (a float32 0.0 or 1.0: a rank whose shard is empty learns it only from this flag)."""
+    """One Muon parameter of the step, with its layout over the group, the shares its owners orthogonalize, its
+    local gradient (set to NaN when another rank's shard of it is not finite, so that every rank skips it) and
+    whether it is finite on every rank (a float32 0.0 or 1.0: a rank whose shard is empty learns it only from this
+    flag)."""
 
     tensors: MuonTensors
     layout: ShardLayout
-    owner: int
+    shares: tuple[Share, ...]
     grad: Tensor
     finite_everywhere: Tensor
 
@@ -89,30 +93,23 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings,
         tensors, copies = staged(staging, copier)
         chunk = [replace(item, tensors=moved) for item, moved in zip(chunk, tensors)]
     layouts = [item.layout for item in chunk]
-    owners = [item.owner for item in chunk]
-    gather = gather_exchange(layouts, owners, settings.rank)
-    scatter = scatter_exchange(layouts, owners, settings.rank)
+    gather, scatter = chunk_exchanges(tuple(layouts), tuple(item.shares for item in chunk), settings.rank)
 
     send = torch.empty(gather.send_total, dtype=settings.comm_dtype, device=chunk[0].grad.device)
-    fulls, finite = _momentum_stage(chunk, gather, send, settings)
+    parts, finite = _momentum_stage(chunk, gather, send, settings)
     work, received = comm.launch_all_to_all(send, gather, settings.group)
     yield
     comm.wait(work)
     for piece in gather.receives:
-        fulls[piece.item][piece.box] = _piece(received, piece.offset, piece.box)
-    owned = [j for j, item in enumerate(chunk) if item.owner == settings.rank]
-    results = orthogonalize([chunk[j].layout.to_global(fulls[j]) for j in owned],
-                            [chunk[j].tensors.view for j in owned],
-                            [finite[j] for j in owned], orthogonalizer=settings.orthogonalizer,
-                            out_dtype=settings.comm_dtype)
-    orthogonal = {j: chunk[j].layout.to_storage(result) for j, result in zip(owned, results)}
-    del fulls
-    send = _pack(orthogonal, scatter, send.device, settings.comm_dtype)
+        share_box = _share_box(chunk, piece.item, piece.share)
+        parts[piece.item, piece.share][within(piece.box, share_box)] = _piece(received, piece.offset, piece.box)
+    orthogonal = yield from _orthogonalized(chunk, parts, finite, settings)
+    del parts
+    send = _pack(chunk, orthogonal, scatter, send.device, settings.comm_dtype)
     work, received = comm.launch_all_to_all(send, scatter, settings.group)
     yield
     comm.wait(work)
-    received_updates = {piece.item: _piece(received, piece.offset, piece.box) for piece in scatter.receives}
-    updates = [_my_update(j, item, orthogonal, received_updates, settings) for j, item in enumerate(chunk)]
+    updates = [_my_update(j, chunk, orthogonal, received, scatter, settings) for j in range(len(chunk))]
     rms_scales: list[Tensor | None] = [None] * len(chunk)
     if settings.normalization is not None:
         rms_rule = uses_rms_rule(settings.normalization, settings.adjust_lr_fn)
@@ -138,29 +135,75 @@ def _with_local_state(tensors: MuonTensors) -> MuonTensors:
                    second_moment=local_or_none(tensors.second_moment))
 
 
-def _my_update(j: int, item: SpreadItem, orthogonal: dict[int, Tensor], received: dict[int, Tensor],
-               settings: SpreadSettings) -> Tensor:
-    """This rank's shard of item j's orthogonalized update: its own result's part if it owns the item, else what
-    the owner sent (nothing, for an empty shard)."""
-    mine = item.layout.boxes[settings.rank]
-    if j in orthogonal:
-        return orthogonal[j][mine]
-    if j in received:
-        return received[j]
-    return torch.empty(box_shape(mine), dtype=settings.comm_dtype, device=item.grad.device)
+def _orthogonalized(chunk: list[SpreadItem], parts: dict[tuple[int, int], Tensor], finite: Tensor,
+                    settings: SpreadSettings) -> Generator[None, None, dict[tuple[int, int], Tensor]]:
+    """The orthogonalized shares this rank owns, keyed and laid out as `parts`, in the comm dtype: whole matrices
+    and expert shares in batched calls, then (yielding after each exchange) the column shares of divided matrices,
+    whose exchanges every rank launches when the chunk has any."""
+    whole = [key for key in parts if chunk[key[0]].shares[key[1]].kind != COLUMNS]
+    results = orthogonalize([chunk[j].layout.to_global(parts[j, s]) for j, s in whole],
+                            [_share_view(chunk[j], s) for j, s in whole], [finite[j] for j, _ in whole],
+                            orthogonalizer=settings.orthogonalizer, out_dtype=settings.comm_dtype)
+    orthogonal = {(j, s): chunk[j].layout.to_storage(result) for (j, s), result in zip(whole, results)}
+    divided = [j for j, item in enumerate(chunk) if item.shares[0].kind == COLUMNS]
+    if divided:
+        columns = {key: chunk[key[0]].layout.to_global(part).to(settings.orthogonalizer.staging_dtype)
+                   for key, part in parts.items() if key not in orthogonal}
+        blocks = yield from split_newton_schulz(
+            columns, {j: tuple(share.owner for share in chunk[j].shares) for j in divided},
+            {j: (chunk[j].tensors.view.rows, chunk[j].tensors.view.cols) for j in divided},
+            {j: finite[j] for j in divided}, orthogonalizer=settings.orthogonalizer, rank=settings.rank,
+            world=chunk[0].layout.world, group=settings.group)
+        orthogonal |= {(j, s): chunk[j].layout.to_storage(block).to(settings.comm_dtype)
+                       for (j, s), block in blocks.items()}
+    return orthogonal
+
+
+def _share_view(item: SpreadItem, share: int) -> MatrixView:
+    """The matrix view of a share: the whole item's, or a bank's with the share's experts."""
+    part = item.shares[share]
+    return item.tensors.view if part.kind is None else replace(item.tensors.view, batch=part.stop - part.start)
+
+
+def _share_box(chunk: list[SpreadItem], item: int, share: int) -> Box:
+    return chunk[item].shares[share].box(chunk[item].layout.shape)
+
+
+def _my_update(j: int, chunk: list[SpreadItem], orthogonal: dict[tuple[int, int], Tensor], received: Tensor,
+               scatter: Exchange, settings: SpreadSettings) -> Tensor:
+    """This rank's shard of item j's orthogonalized update, from the shares it owns and what their owners sent
+    (nothing, for an empty shard): a view when one share covers it, else assembled."""
+    mine = chunk[j].layout.boxes[settings.rank]
+    sources = [(orthogonal[j, kept.share][within(kept.box, _share_box(chunk, j, kept.share))], kept.box)
+               for kept in scatter.kept if kept.item == j]
+    sources += [(_piece(received, piece.offset, piece.box), piece.box) for piece in scatter.receives if piece.item == j]
+    if len(sources) == 1 and sources[0][1] == mine:
+        return sources[0][0]
+    update = torch.empty(box_shape(mine), dtype=settings.comm_dtype, device=chunk[j].grad.device)
+    for part, box in sources:
+        update[within(box, mine)] = part
+    return update
 
 
 def _piece(buffer: Tensor, offset: int, box: tuple[slice, ...]) -> Tensor:
     return buffer.narrow(0, offset, box_numel(box)).view(box_shape(box))
 
 
-def _momentum_stage(chunk: list[SpreadItem], gather: Exchange, send: Tensor,
-                    settings: SpreadSettings) -> tuple[list[Tensor | None], Tensor]:
-    """Momentum on the local shards. Each rank's update goes straight where it is needed: into the send buffer
-    when it travels to the owner, into the owner's whole-matrix buffer when this rank is the owner, else (a
-    replica another rank sends for) into scratch. Returns the owners' buffers and the finite flags."""
-    send_at = {piece.item: piece for piece in gather.sends}
-    fulls: list[Tensor | None] = [None] * len(chunk)
+def _momentum_stage(chunk: list[SpreadItem], gather: Exchange, send: Tensor, settings: SpreadSettings
+                    ) -> tuple[dict[tuple[int, int], Tensor], Tensor]:
+    """Momentum on the local shards. Each rank's update goes straight where it is needed when it goes whole to one
+    place: into the send buffer when it travels to a share's owner, into the share's buffer when this rank owns
+    it; else (split between shares, or a replica another rank sends for) into scratch, then copied where it goes.
+    Returns the buffers of the shares this rank owns, keyed (item, share), and the finite flags."""
+    parts = {(j, index): torch.empty(box_shape(share.box(item.layout.shape)), dtype=settings.comm_dtype,
+                                     device=send.device)
+             for j, item in enumerate(chunk) for index, share in enumerate(item.shares) if share.owner == settings.rank}
+    destinations: dict[int, list[tuple[Tensor, Box]]] = {}
+    for piece in gather.sends:
+        destinations.setdefault(piece.item, []).append((_piece(send, piece.offset, piece.box), piece.box))
+    for kept in gather.kept:
+        part = parts[kept.item, kept.share][within(kept.box, _share_box(chunk, kept.item, kept.share))]
+        destinations.setdefault(kept.item, []).append((part, kept.box))
     outputs: list[Tensor] = []
     copies: list[tuple[Tensor, Tensor]] = []
     for j, item in enumerate(chunk):
@@ -168,30 +211,28 @@ def _momentum_stage(chunk: list[SpreadItem], gather: Exchange, send: Tensor,
         if tuple(item.grad.shape) != box_shape(box):
             raise RuntimeError(f"Muon: the local shard of a parameter of global shape {item.layout.shape} has "
                                f"shape {tuple(item.grad.shape)}, but its placements give {box_shape(box)}")
-        if item.owner == settings.rank:
-            fulls[j] = torch.empty(item.layout.shape, dtype=settings.comm_dtype, device=send.device)
-            target = fulls[j][box]
-            if not target.is_contiguous():  # the op writes contiguous outputs: fill a temporary, copy it in
-                temp = torch.empty(box_shape(box), dtype=settings.comm_dtype, device=send.device)
-                copies.append((target, temp))
-                target = temp
-            outputs.append(target)
-        elif j in send_at:
-            outputs.append(_piece(send, send_at[j].offset, box))
-        else:
-            outputs.append(torch.empty(box_shape(box), dtype=settings.comm_dtype, device=send.device))
+        targets = destinations.get(j, [])
+        if len(targets) == 1 and targets[0][1] == box and targets[0][0].is_contiguous():
+            outputs.append(targets[0][0])  # the op writes contiguous outputs
+            continue
+        scratch = torch.empty(box_shape(box), dtype=settings.comm_dtype, device=send.device)
+        copies += [(target, scratch[within(target_box, box)]) for target, target_box in targets]
+        outputs.append(scratch)
     finite = momentum_step_([local_tensor(item.tensors.momentum_buffer) for item in chunk],
                             [item.grad for item in chunk], outputs, settings.momentum, settings.nesterov,
                             [item.tensors.rounding_count for item in chunk],
                             [local_or_none(item.tensors.momentum_scales) for item in chunk],
                             [None if item.tensors.rounding_count is None else shard_positions(item.tensors.param)
                              for item in chunk], agreed=torch.stack([item.finite_everywhere for item in chunk]))
-    for target, temp in copies:
-        target.copy_(temp)
-    return fulls, finite
+    for target, scratch in copies:
+        target.copy_(scratch)
+    return parts, finite
 
 
-def _pack(orthogonal: dict[int, Tensor], scatter: Exchange, device: torch.device, dtype: torch.dtype) -> Tensor:
+def _pack(chunk: list[SpreadItem], orthogonal: dict[tuple[int, int], Tensor], scatter: Exchange,
+          device: torch.device, dtype: torch.dtype) -> Tensor:
     if not scatter.sends:
         return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([orthogonal[piece.item][piece.box].reshape(-1) for piece in scatter.sends])
+    return torch.cat([orthogonal[piece.item, piece.share][within(piece.box, _share_box(chunk, piece.item,
+                                                                                        piece.share))].reshape(-1)
+                      for piece in scatter.sends])

@@ -17,7 +17,7 @@ from ..functional import LearningRate, MuonTensors
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
-from .assignment import chunked_owners, holds_whole_matrices, iteration_flops
+from .assignment import chunked_shares, holds_whole_matrices, in_place_loads, work_of
 from .dtensors import is_dtensor, is_shard, local_or_none, local_tensor, placed_like
 from .finite import finite_everywhere
 from .layout import ShardLayout, replicated_layout, shard_positions, sharded_layout
@@ -51,14 +51,17 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
                          orthogonalizer=orthogonalizer, adjust_lr_fn=adjust_lr_fn,
                          normalize_spatial=normalize_spatial, normalization=normalization,
                          normalization_beta=normalization_beta)
-        spread = [SpreadItem(item, layout, 0, grad, flag) for item, layout, grad, flag, local in
+        spread = [(item, layout, grad, flag) for item, layout, grad, flag, local in
                   zip(group_items, layouts, grads, everywhere.unbind(), in_place) if not local]
         if not spread:
             continue
-        costs = [iteration_flops(item.tensors.view, len(orthogonalizer.coefficients), orthogonalizer.algorithm,
-                                 orthogonalizer.dtype) for item in spread]
-        owners, chunks = chunked_owners(costs, world, chunk_size)
-        spread = [replace(item, owner=owner) for item, owner in zip(spread, owners)]
+        iteration = (len(orthogonalizer.coefficients), orthogonalizer.algorithm, orthogonalizer.dtype)
+        base = in_place_loads([(item.view, layout) for item, layout, local in zip(group_items, layouts, in_place)
+                               if local], world, *iteration)
+        works = [work_of(item.view, layout, *iteration) for item, layout, _, _ in spread]
+        shares, chunks = chunked_shares(works, world, chunk_size, base)
+        spread = [SpreadItem(item, layout, item_shares, grad, flag)
+                  for (item, layout, grad, flag), item_shares in zip(spread, shares)]
         settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
                                   adjust_lr_fn, normalize_spatial, normalization, normalization_beta)
         copier = (offload.CudaCopier(spread[0].grad.device)
