@@ -25,6 +25,7 @@ test: build
 bench: build
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps muon-fsdp2==0.3.0
 	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/scale_predictions.py
 
 # AdamW and the Muon variants on the demo GPT over one lr grid and two seeds (60 runs: about an hour on 2 CPU cores).
 quality: build

@@ -1,0 +1,57 @@
+"""Multi-node layouts with `torchrun` on this machine: two simulated nodes of 2 gloo ranks each (two torchrun agents
+meeting at a c10d rendezvous on localhost), HSDP replicating across them. A checkpoint written by the 2-node job is
+resumed by a 1-node job, and a rank that dies mid-job is restarted by torchrun from the last checkpoint. Each job's
+ranks compare their parameters with one device's uninterrupted run (multinode_worker.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from spawning import free_port
+
+WORKER = Path(__file__).resolve().parent / "multinode_worker.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+JOB_TIMEOUT_S = 300
+PER_NODE = 2
+
+
+def _job(nodes: int, checkpoints: Path, steps: int, max_restarts: int = 0,
+         fail_at: int | None = None) -> list[str]:
+    """One torchrun agent per node, all on this machine; fails the test unless every agent exits cleanly. Returns
+    the agents' output. Timed out by the subprocess timeout (a hung rendezvous or collective fails the test)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [*TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={PER_NODE}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint={endpoint}", "--rdzv-id=muon-test", f"--max-restarts={max_restarts}",
+               "--monitor-interval=0.5", str(WORKER), "--checkpoints", str(checkpoints), "--steps", str(steps)]
+    if fail_at is not None:
+        command += ["--fail-at", str(fail_at)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+              for _ in range(nodes)]
+    outputs = []
+    try:
+        for agent in agents:
+            outputs.append(agent.communicate(timeout=JOB_TIMEOUT_S)[0])
+    finally:
+        for agent in agents:
+            agent.kill()
+    failed = [(index, agent.returncode) for index, agent in enumerate(agents) if agent.returncode != 0]
+    assert not failed, f"agents {failed} failed:\n" + "\n".join(output[-4000:] for output in outputs)
+    return outputs
+
+
+def test_hsdp_checkpoint_of_two_nodes_resumes_on_one(tmp_path: Path) -> None:
+    _job(nodes=2, checkpoints=tmp_path, steps=2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-1", "step-2"]
+    _job(nodes=1, checkpoints=tmp_path, steps=4)  # mesh (1, 2): the same shards, no replica
+    assert (tmp_path / "step-4" / ".metadata").exists()
+
+
+def test_a_rank_that_dies_is_restarted_from_the_last_checkpoint_and_loses_no_step(tmp_path: Path) -> None:
+    outputs = _job(nodes=2, checkpoints=tmp_path, steps=4, max_restarts=1, fail_at=2)
+    assert (tmp_path / "a-rank-died").exists() and any("failed (exitcode: 17)" in output for output in outputs)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-rank-died", "step-1", "step-2", "step-3",
+                                                                 "step-4"]
