@@ -109,7 +109,13 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings,
     work, received = comm.launch_all_to_all(send, scatter, settings.group)
     yield
     comm.wait(work)
-    updates = [_my_update(j, chunk, orthogonal, received, scatter, settings) for j in range(len(chunk))]
+    arrived: dict[int, list[tuple[Tensor, Box]]] = {}  # item -> (part of this rank's update, its box)
+    for kept in scatter.kept:
+        part = orthogonal[kept.item, kept.share][within(kept.box, _share_box(chunk, kept.item, kept.share))]
+        arrived.setdefault(kept.item, []).append((part, kept.box))
+    for piece in scatter.receives:
+        arrived.setdefault(piece.item, []).append((_piece(received, piece.offset, piece.box), piece.box))
+    updates = [_my_update(item, arrived.get(j, []), settings) for j, item in enumerate(chunk)]
     rms_scales: list[Tensor | None] = [None] * len(chunk)
     if settings.normalization is not None:
         rms_rule = uses_rms_rule(settings.normalization, settings.adjust_lr_fn)
@@ -169,18 +175,14 @@ def _share_box(chunk: list[SpreadItem], item: int, share: int) -> Box:
     return chunk[item].shares[share].box(chunk[item].layout.shape)
 
 
-def _my_update(j: int, chunk: list[SpreadItem], orthogonal: dict[tuple[int, int], Tensor], received: Tensor,
-               scatter: Exchange, settings: SpreadSettings) -> Tensor:
-    """This rank's shard of item j's orthogonalized update, from the shares it owns and what their owners sent
-    (nothing, for an empty shard): a view when one share covers it, else assembled."""
-    mine = chunk[j].layout.boxes[settings.rank]
-    sources = [(orthogonal[j, kept.share][within(kept.box, _share_box(chunk, j, kept.share))], kept.box)
-               for kept in scatter.kept if kept.item == j]
-    sources += [(_piece(received, piece.offset, piece.box), piece.box) for piece in scatter.receives if piece.item == j]
-    if len(sources) == 1 and sources[0][1] == mine:
-        return sources[0][0]
-    update = torch.empty(box_shape(mine), dtype=settings.comm_dtype, device=chunk[j].grad.device)
-    for part, box in sources:
+def _my_update(item: SpreadItem, parts: list[tuple[Tensor, Box]], settings: SpreadSettings) -> Tensor:
+    """This rank's shard of the item's orthogonalized update from its parts (from the shares this rank owns and
+    what their owners sent; none for an empty shard): a view when one part covers it, else assembled."""
+    mine = item.layout.boxes[settings.rank]
+    if len(parts) == 1 and parts[0][1] == mine:
+        return parts[0][0]
+    update = torch.empty(box_shape(mine), dtype=settings.comm_dtype, device=item.grad.device)
+    for part, box in parts:
         update[within(box, mine)] = part
     return update
 
