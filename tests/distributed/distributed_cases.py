@@ -390,6 +390,9 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
                                              nan_at=(0, 1, (3, 200))),
         "divided_columns_bf16_comm": partial(divided_case, (world,), [Shard(0)], DIVIDED_SHAPES, "columns",
                                              atol=TRAINED_BF16_ATOL, comm_dtype=None),
+        # bfloat16 Newton-Schulz: the Gram parts travel in bfloat16, from ranks with and without a share.
+        "divided_columns_bf16_newton_schulz": partial(divided_case, (world,), [Shard(0)], DIVIDED_SHAPES, "columns",
+                                                      atol=TRAINED_BF16_ATOL, ns_dtype=torch.bfloat16),
         "divided_experts_shard1": partial(divided_case, (world,), [Shard(1)], EXPERT_SHAPES, "experts"),
         "plan_step_bytes_divided": partial(plan_step_bytes_case, world, [Shard(0)], shapes=DIVIDED_SHAPES,
                                            ns_dtype=torch.float32, ns_algorithm="standard"),

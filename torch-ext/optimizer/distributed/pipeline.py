@@ -159,7 +159,7 @@ def _orthogonalized(chunk: list[SpreadItem], parts: dict[tuple[int, int], Tensor
             columns, {j: tuple(share.owner for share in chunk[j].shares) for j in divided},
             {j: (chunk[j].tensors.view.rows, chunk[j].tensors.view.cols) for j in divided},
             {j: finite[j] for j in divided}, orthogonalizer=settings.orthogonalizer, rank=settings.rank,
-            world=chunk[0].layout.world, group=settings.group)
+            world=chunk[0].layout.world, group=settings.group, device=chunk[0].grad.device)
         orthogonal |= {(j, s): chunk[j].layout.to_storage(block).to(settings.comm_dtype)
                        for (j, s), block in blocks.items()}
     return orthogonal

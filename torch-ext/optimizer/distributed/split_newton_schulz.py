@@ -26,8 +26,8 @@ Key = tuple[int, int]  # (item, share)
 
 def split_newton_schulz(blocks: Mapping[Key, Tensor], owners: Mapping[int, Sequence[int]],
                         shapes: Mapping[int, tuple[int, int]], finite: Mapping[int, Tensor], *,
-                        orthogonalizer: Orthogonalizer, rank: int, world: int, group: dist.ProcessGroup
-                        ) -> Generator[None, None, dict[Key, Tensor]]:
+                        orthogonalizer: Orthogonalizer, rank: int, world: int, group: dist.ProcessGroup,
+                        device: torch.device) -> Generator[None, None, dict[Key, Tensor]]:
     """This rank's blocks (item, share) -> its columns of the item's matrix in the item's own (out, in) orientation,
     in the staging dtype; `owners[item]`: the owner of each share of every divided item of the chunk (the same on
     every rank); `shapes[item]`: the whole matrix's (out, in). Yields after launching each exchange. Returns the
@@ -35,7 +35,8 @@ def split_newton_schulz(blocks: Mapping[Key, Tensor], owners: Mapping[int, Seque
     tall = {item: rows > cols for item, (rows, cols) in shapes.items()}
     wide = {key: block.mT if tall[key[0]] else block for key, block in blocks.items()}
     squares = {key: block.float().square().sum().reshape(1) for key, block in wide.items()}
-    norms = yield from _summed(squares, owners, {item: (1,) for item in owners}, rank, world, group)
+    exchange_on = (rank, world, group, device)  # every rank sends the same dtype, also a rank with no share
+    norms = yield from _summed(squares, owners, {item: (1,) for item in owners}, torch.float32, *exchange_on)
     X = {key: (block / norm_denominator(norms[key[0]].sqrt(), shapes[key[0]], orthogonalizer.eps,
                                         orthogonalizer.safety_factor, orthogonalizer.scale_eps)
                ).to(orthogonalizer.dtype) for key, block in wide.items()}
@@ -43,7 +44,7 @@ def split_newton_schulz(blocks: Mapping[Key, Tensor], owners: Mapping[int, Seque
     gram_shapes = {item: (min(shape),) * 2 for item, shape in shapes.items()}
     for step, (a, b, c) in enumerate(orthogonalizer.coefficients):
         partial = {key: symmetric_gram(block, backend[key]) for key, block in X.items()}
-        sums = yield from _summed(partial, owners, gram_shapes, rank, world, group)
+        sums = yield from _summed(partial, owners, gram_shapes, orthogonalizer.dtype, *exchange_on)
         gram = {key: sums[key[0]].to(block.dtype) for key, block in X.items()}
         if step == 0 and orthogonalizer.preconditioner == "aol":
             for key in X:
@@ -56,13 +57,12 @@ def split_newton_schulz(blocks: Mapping[Key, Tensor], owners: Mapping[int, Seque
 
 
 def _summed(values: Mapping[Key, Tensor], owners: Mapping[int, Sequence[int]],
-            shapes: Mapping[int, tuple[int, ...]], rank: int, world: int, group: dist.ProcessGroup
-            ) -> Generator[None, None, dict[int, Tensor]]:
-    """For each item this rank holds a share of: the float32 sum of every share's value, in share order."""
+            shapes: Mapping[int, tuple[int, ...]], dtype: torch.dtype, rank: int, world: int,
+            group: dist.ProcessGroup, device: torch.device) -> Generator[None, None, dict[int, Tensor]]:
+    """For each item this rank holds a share of: the float32 sum of every share's value (sent in `dtype`), in share
+    order."""
     plan = exchange(among_owners(owners, shapes), world, rank)
-    dtype = next(iter(values.values())).dtype if values else torch.float32
-    device = next(iter(values.values())).device if values else torch.device("cpu")
-    sends = [values[piece.item, _my_share(owners, piece.item, rank)].reshape(-1) for piece in plan.sends]
+    sends = [values[piece.item, _my_share(owners, piece.item, rank)].reshape(-1).to(dtype) for piece in plan.sends]
     send = torch.cat(sends) if sends else torch.empty(0, dtype=dtype, device=device)
     work, received = comm.launch_all_to_all(send, plan, group)
     yield
