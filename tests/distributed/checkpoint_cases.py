@@ -37,7 +37,7 @@ VARIANTS: dict[str, tuple[dict, float]] = {
 SAVED_DTYPES = {"_bf16_state": {torch.bfloat16}, "_int8_state": {torch.int8, torch.bfloat16}}
 
 
-def _model(seed: int) -> nn.Module:
+def small_mlp(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 3), nn.Tanh(), nn.Linear(3, 8))
 
@@ -50,7 +50,7 @@ def _sharded(model: nn.Module) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def _train(model: nn.Module, optimizer: Muon, steps: range, rank: int, world: int) -> None:
+def train_steps(model: nn.Module, optimizer: Muon, steps: range, rank: int, world: int) -> None:
     per_rank = GLOBAL_BATCH // world
     for step in steps:
         batch = torch.randn(GLOBAL_BATCH, 16, generator=torch.Generator().manual_seed(600 + step))
@@ -59,10 +59,10 @@ def _train(model: nn.Module, optimizer: Muon, steps: range, rank: int, world: in
         optimizer.zero_grad()
 
 
-def _uninterrupted(steps: int, variant: str) -> nn.Module:
+def uninterrupted(steps: int, variant: str) -> nn.Module:
     """The truth: one device, the whole batch, no checkpoint."""
-    model = _model(seed=0)
-    _train(model, Muon(model.parameters(), **OPTIONS, **VARIANTS[variant][0]), range(steps), rank=0, world=1)
+    model = small_mlp(seed=0)
+    train_steps(model, Muon(model.parameters(), **OPTIONS, **VARIANTS[variant][0]), range(steps), rank=0, world=1)
     return model
 
 
@@ -70,16 +70,16 @@ def _checkpoint_path(variant: str) -> str:
     return str(shared_dir() / f"muon_checkpoint{variant}")
 
 
-def _optimizer(model: nn.Module, variant: str) -> Muon:
+def muon_for(model: nn.Module, variant: str) -> Muon:
     return Muon(model.parameters(), **OPTIONS, comm_dtype=torch.float32, **VARIANTS[variant][0])
 
 
 def save_case(variant: str) -> None:
     """Trains on 4 ranks, saves, trains on without a restart (matching the uninterrupted run as a baseline)."""
-    model = _sharded(_model(seed=0))
-    optimizer = _optimizer(model, variant)
+    model = _sharded(small_mlp(seed=0))
+    optimizer = muon_for(model, variant)
     rank, world = dist.get_rank(), dist.get_world_size()
-    _train(model, optimizer, range(STEPS_BEFORE_SAVE), rank, world)
+    train_steps(model, optimizer, range(STEPS_BEFORE_SAVE), rank, world)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     states = list(optimizer_state["state"].values())
     momentum = [state["momentum_buffer"] for state in states if "momentum_buffer" in state]
@@ -93,7 +93,7 @@ def save_case(variant: str) -> None:
     saved = _whole_state(optimizer_state)  # every rank takes part in gathering the shards
     if rank == 0:
         torch.save(saved, f"{_checkpoint_path(variant)}.whole.pt")
-    _train(model, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD), rank, world)
+    train_steps(model, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD), rank, world)
     _assert_matches_uninterrupted(model, variant)
 
 
@@ -105,14 +105,14 @@ def _whole_state(optimizer_state: dict) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _assert_matches_uninterrupted(model: nn.Module, variant: str) -> None:
-    truth = _uninterrupted(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD, variant)
+    truth = uninterrupted(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD, variant)
     assert_matches(list(model.parameters()), list(truth.parameters()), VARIANTS[variant][1])
 
 
 def load_and_continue(model: nn.Module, rank: int, world: int, variant: str) -> None:
     """Loads the 4-rank checkpoint into `model` (another seed: only the checkpoint can make it right) and a fresh
     Muon, trains on, and compares with the uninterrupted run."""
-    optimizer = _optimizer(model, variant)
+    optimizer = muon_for(model, variant)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=_checkpoint_path(variant))
@@ -125,17 +125,17 @@ def load_and_continue(model: nn.Module, rank: int, world: int, variant: str) -> 
         assert loaded[name].keys() == entries.keys(), name
         for key, value in entries.items():
             assert loaded[name][key].dtype == value.dtype and torch.equal(loaded[name][key], value), (name, key)
-    _train(model, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD), rank, world)
+    train_steps(model, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD), rank, world)
     _assert_matches_uninterrupted(model, variant)
 
 
 def load_case(variant: str) -> None:
-    load_and_continue(_sharded(_model(seed=1)), dist.get_rank(), dist.get_world_size(), variant)
+    load_and_continue(_sharded(small_mlp(seed=1)), dist.get_rank(), dist.get_world_size(), variant)
 
 
 def load_on_one_process(variant: str) -> None:
     """No process group at all: plain tensors, single-device Muon."""
-    load_and_continue(_model(seed=1), rank=0, world=1, variant=variant)
+    load_and_continue(small_mlp(seed=1), rank=0, world=1, variant=variant)
 
 
 def cases_for(world: int) -> dict:

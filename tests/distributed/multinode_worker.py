@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the cases' helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kernel_under_test
 
-from checkpoint_cases import _model, _optimizer, _train, _uninterrupted  # noqa: E402
+from checkpoint_cases import muon_for, small_mlp, train_steps, uninterrupted  # noqa: E402
 from distributed_cases import FP32_ATOL, assert_matches  # noqa: E402
 
 
@@ -58,8 +58,8 @@ def main() -> None:
     _init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     start = _newest(args.checkpoints)
-    model = _hsdp(_model(seed=1 if start else 0))  # resumed, another seed: only the checkpoint can make it right
-    optimizer = _optimizer(model, "")
+    model = _hsdp(small_mlp(seed=1 if start else 0))  # resumed, another seed: only the checkpoint can make it right
+    optimizer = muon_for(model, "")
     if start:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
@@ -70,11 +70,11 @@ def main() -> None:
         if step == args.fail_at and rank == world - 1 and not died.exists():
             died.touch()
             os._exit(17)  # no goodbye: the rank is simply gone, as a crashed host's would be
-        _train(model, optimizer, range(step, step + 1), rank, world)
+        train_steps(model, optimizer, range(step, step + 1), rank, world)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state},
                  checkpoint_id=str(args.checkpoints / f"step-{step + 1}"))
-    assert_matches(list(model.parameters()), list(_uninterrupted(args.steps, "").parameters()), FP32_ATOL)
+    assert_matches(list(model.parameters()), list(uninterrupted(args.steps, "").parameters()), FP32_ATOL)
     dist.destroy_process_group()
 
 
