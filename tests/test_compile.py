@@ -17,6 +17,9 @@ from kernel_under_test import optimizer, submodule
 
 dispatch = submodule(optimizer, "dispatch")
 ROWS = dispatch.CPU_MIN_ROWS + 8  # large enough for the compiled CPU symmetric op
+# Compiled and eager steps are compared to float32 rounding, so Newton-Schulz runs in float32 on every machine: the
+# default is bfloat16 on CPUs with bf16 matrix units, where inductor's products round differently from eager ones.
+FLOAT32_NS = {"ns_dtype": torch.float32}
 
 
 def fresh_compile_state() -> None:
@@ -61,7 +64,8 @@ def test_a_compiled_muon_step_is_one_graph_and_equals_eager() -> None:
     shapes = [(24, 16), (16, 24), (3, 8, 12), (ROWS, 16)]  # a batch of two, an expert bank, one on the CPU op
     params = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
     eager_params = [param.clone() for param in params]
-    opt, eager = optimizer.Muon(params, lr=0.02), optimizer.Muon(eager_params, lr=0.02)
+    opt = optimizer.Muon(params, lr=0.02, **FLOAT32_NS)
+    eager = optimizer.Muon(eager_params, lr=0.02, **FLOAT32_NS)
     assert_steps_match(torch.compile(opt.step, fullgraph=True), eager, params, eager_params)  # fullgraph: no break
 
 
@@ -70,14 +74,15 @@ def test_with_adamw_parameters_the_only_break_is_the_eager_adamw_update() -> Non
     fresh_compile_state()
     params = [torch.randn(24, 16), torch.randn(16), torch.randn(())]
     eager_params = [param.clone() for param in params]
-    opt, eager = optimizer.Muon(params, lr=0.02), optimizer.Muon(eager_params, lr=0.02)
+    opt = optimizer.Muon(params, lr=0.02, **FLOAT32_NS)
+    eager = optimizer.Muon(eager_params, lr=0.02, **FLOAT32_NS)
     seeded_grads(params, 0)
     explanation = torch._dynamo.explain(opt.step)()
     reasons = [str(reason.reason) for reason in explanation.break_reasons]
     assert len(reasons) == 1 and "_adamw_steps" in reasons[0], reasons
     torch._dynamo.reset()
     params_again = [param.clone() for param in eager_params]  # explain() stepped `opt`: start over from the twin
-    opt = optimizer.Muon(params_again, lr=0.02)
+    opt = optimizer.Muon(params_again, lr=0.02, **FLOAT32_NS)
     assert_steps_match(torch.compile(opt.step), eager, params_again, eager_params)
 
 
@@ -103,7 +108,8 @@ def test_a_tensor_lr_is_traced_so_a_schedule_moving_it_does_not_recompile(with_a
     params = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
     eager_params = [param.clone() for param in params]
     lr = torch.tensor(0.02)
-    opt, eager = optimizer.Muon(params, lr=lr), optimizer.Muon(eager_params, lr=0.02)
+    opt = optimizer.Muon(params, lr=lr, **FLOAT32_NS)
+    eager = optimizer.Muon(eager_params, lr=0.02, **FLOAT32_NS)
     step = torch.compile(opt.step, fullgraph=not with_adamw)  # the AdamW part runs eagerly
     assert_steps_match(step, eager, params, eager_params, len(SCHEDULE), scheduled_lr(lr, eager))
 

@@ -114,24 +114,34 @@ def resolve_backend(X: Tensor, backend: str | None) -> str:
     return backend
 
 
-def symmetric_gram(X: Tensor, backend: str) -> Tensor:
-    """X @ X.mT for X (m, k) or (B, m, k) with a resolved backend."""
+def symmetric_gram(X: Tensor, backend: str, out: Tensor | None = None) -> Tensor:
+    """X @ X.mT for X (m, k) or (B, m, k) with a resolved backend, into `out` (contiguous) if given."""
     if backend == "torch":
-        return X @ X.mT
+        return torch.matmul(X, X.mT, out=out)
     if backend == "triton":
-        return xxt(X, exact_fp32=_exact_fp32())
-    out = torch.empty((*X.shape[:-1], X.shape[-2]), dtype=X.dtype, device=X.device)
+        return _into(out, xxt(X, exact_fp32=_exact_fp32()))
+    if out is None:
+        out = torch.empty((*X.shape[:-1], X.shape[-2]), dtype=X.dtype, device=X.device)
     return native.symmetric_gram_(out, X)
 
 
-def symmetric_polynomial(A: Tensor, b: float, c: float, backend: str) -> Tensor:
-    """b*A + c*A@A for symmetric A (m, m) or (B, m, m) with a resolved backend."""
+def symmetric_polynomial(A: Tensor, b: float, c: float, backend: str, out: Tensor | None = None) -> Tensor:
+    """b*A + c*A@A for symmetric A (m, m) or (B, m, m) with a resolved backend, into `out` (contiguous, not A) if
+    given."""
     if backend == "torch":
         add_matmul = torch.addmm if A.ndim == 2 else torch.baddbmm
-        return add_matmul(A, A, A, beta=b, alpha=c)
+        return add_matmul(A, A, A, beta=b, alpha=c, out=out)
     if backend == "triton":
-        return ba_plus_caa(A, b, c, exact_fp32=_exact_fp32())
-    return native.symmetric_gram_(torch.empty_like(A, memory_format=torch.contiguous_format), A, A, c, b)
+        return _into(out, ba_plus_caa(A, b, c, exact_fp32=_exact_fp32()))
+    if out is None:
+        out = torch.empty_like(A, memory_format=torch.contiguous_format)
+    return native.symmetric_gram_(out, A, A, c, b)
+
+
+def _into(out: Tensor | None, result: Tensor) -> Tensor:
+    """A GPU kernel's fresh result, or that result copied into `out`: the Triton kernels allocate their own
+    output, and the CUDA caching allocator makes a fresh one as cheap as a given one."""
+    return result if out is None else out.copy_(result)
 
 
 def _exact_fp32() -> bool:

@@ -220,8 +220,9 @@ class AdamWTensors:
 
 def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: LearningRate,
                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """torch's fused AdamW kernel, one parameter per call so that each has its own skip flag: found_inf is (N,)
-    float32 on the items' device, 1.0 where that parameter's step is skipped.
+    """torch's fused AdamW kernel with a skip flag per parameter: found_inf is (N,) float32 on the items' device, 1.0
+    where that parameter's step is skipped. On GPUs one call per parameter, each with its flag (no host read); on
+    the CPU the flags are read (`_fused_adamw_taken_`).
 
     The kernel is called directly: `torch.optim.adamw.adamw`'s grouping and checks cost ~25 µs per call, more than the
     kernel itself on a bias vector, and here each call holds one tensor of known device and dtype. What that wrapper
@@ -234,8 +235,36 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: Learni
     torch._foreach_sub_([item.step for item in items], flags)
     torch._foreach_add_([item.nonfinite_skips for item in items], found_inf.to(torch.int64).unbind())
     step_lr = lr.to(found_inf.device) if isinstance(lr, Tensor) else lr
+    if found_inf.device.type == "cpu":
+        _fused_adamw_taken_(items, found_inf.tolist(), lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return
     for item, flag in zip(items, flags):
         _fused_adamw_one_(item, flag, lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _fused_adamw_taken_(items: Sequence[AdamWTensors], skipped: Sequence[float], *, lr: LearningRate,
+                        betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """On the CPU the flags are read (a CPU tensor's value costs no device sync): the parameters not skipped go
+    through one fused call per dtype, the skipped ones are left alone. A call per parameter cost ~30 µs each, 3 ms
+    of the 24 ms of GPT-2 small's 97 AdamW tensors on a 2-core Xeon, the call itself longer than a bias's update."""
+    together: dict[torch.dtype, list[AdamWTensors]] = {}
+    no_skip = torch.zeros((), dtype=torch.float32)
+    for item, skip in zip(items, skipped):
+        if skip:
+            continue
+        if item.rounding_count is not None:  # stored rounded: its own chunked call
+            _fused_adamw_one_(item, no_skip, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        else:
+            together.setdefault(item.param.dtype, []).append(item)
+    for group in together.values():
+        written = [tensor for item in group for tensor in (item.param, item.exp_avg, item.exp_avg_sq)]
+        work = [tensor.contiguous() for tensor in written]  # see `_fused_adamw_one_`
+        torch._fused_adamw_(work[0::3], [item.grad.to(item.param.dtype).contiguous() for item in group], work[1::3],
+                            work[2::3], [], [item.step for item in group], lr=lr, beta1=betas[0], beta2=betas[1],
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        for original, result in zip(written, work):
+            if result is not original:
+                original.copy_(result)
 
 
 def by_device(items: Sequence[AdamWTensors]) -> dict[torch.device, list[AdamWTensors]]:

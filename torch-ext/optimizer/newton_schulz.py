@@ -57,8 +57,9 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     if not isinstance(scale_eps, bool):
         raise ValueError(f"Invalid scale_eps: {scale_eps!r} (expected True or False)")
     schedule = resolve_coefficients(coefficients, steps, preconditioner)
-    return newton_schulz(G.to(staging_dtype(dtype)), schedule, eps, backend, dtype, algorithm, preconditioner,
-                         safety_factor, scale_eps).to(G.dtype)
+    staged = G.to(staging_dtype(dtype))
+    return newton_schulz(staged, schedule, eps, backend, dtype, algorithm, preconditioner, safety_factor, scale_eps,
+                         overwrite_input=staged is not G).to(G.dtype)
 
 
 def check_safety_factor(safety_factor: float) -> None:
@@ -85,9 +86,10 @@ class Orthogonalizer:
         return staging_dtype(self.dtype)
 
     def __call__(self, matrices: Tensor) -> Tensor:
+        """The orthogonalized stack. `matrices` is the caller's temporary: it is overwritten."""
         return newton_schulz(matrices, self.coefficients, self.eps, dtype=self.dtype, algorithm=self.algorithm,
                              preconditioner=self.preconditioner, safety_factor=self.safety_factor,
-                             scale_eps=self.scale_eps)
+                             scale_eps=self.scale_eps, overwrite_input=True)
 
 
 def staging_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -98,7 +100,8 @@ def staging_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, backend: str | None = None,
                   dtype: torch.dtype | None = None, algorithm: str = "standard",
-                  preconditioner: str | None = None, safety_factor: float = 1.0, scale_eps: bool = False) -> Tensor:
+                  preconditioner: str | None = None, safety_factor: float = 1.0, scale_eps: bool = False,
+                  overwrite_input: bool = False) -> Tensor:
     """The iteration itself for validated inputs: G is (m, n) or (B, m, n), one step per triple.
 
     Works on the wide orientation (the Gram matrix is min(m, n) squared) and scales each matrix by its
@@ -111,12 +114,14 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     (`aol_scaled`, on the first Gram matrix, which the first step then reuses). `safety_factor` multiplies the
     norm before the division (timm's; Polar Express uses 1.01). `scale_eps` (timm's, for μP, arXiv 2512.05620):
     eps * sqrt(cols / rows) of G as given ((out, in)) is added to the norm instead of clamping it.
+    `overwrite_input`: G is a temporary of the caller's, which the scaling may overwrite (one tensor fewer).
     """
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
     # The full reduction for 2D is torch.optim.Muon's, and so is its rounding (see `norm_denominator`).
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
-    X = (X / norm_denominator(norm, G.shape, eps, safety_factor, scale_eps)).to(dtype or G.dtype)
+    denominator = norm_denominator(norm, G.shape, eps, safety_factor, scale_eps)
+    X = (X.div_(denominator) if overwrite_input else X / denominator).to(dtype or G.dtype)
     backend = resolve_backend(X, backend)
     if resolve_algorithm(algorithm, X.shape, len(coefficients), X.dtype) == "gram":
         X = _gram_iteration(X, coefficients, backend, preconditioner, eps)
@@ -124,12 +129,7 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
         gram = None
         if preconditioner == "aol":
             X, gram = aol_scaled(X, symmetric_gram(X, backend), eps)
-        for a, b, c in coefficients:
-            if gram is None:
-                gram = symmetric_gram(X, backend)
-            polynomial = symmetric_polynomial(gram, b, c, backend)  # b*A + c*A@A
-            X = _scaled_plus_product(X, polynomial, a)  # a*X + (b*A + c*A@A) @ X
-            gram = None
+        X = _standard_iteration(X, gram, coefficients, backend)
     return X.mT if tall else X
 
 
@@ -194,48 +194,105 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
     """Gram Newton-Schulz: the same polynomial iteration, carried out on the (m, m) Gram matrix of a wide X.
 
     Every step multiplies X on the left by P = a I + b R + c R² with R = X Xᵀ, so X_k = Q_k X_0 with Q_k the product of
-    the P's, and R_{k+1} = P R_k P. Because P is a polynomial in R_k the two commute, so W = R P = a R + Z R and
-    R_{k+1} = P W = a W + Z W with Z = b R + c R²: four m x m products per step instead of two (m, n) ones, and one
-    Q X_0 at the end. Nothing is inverted, so rank-deficient input stays finite.
+    the P's, and R_{k+1} = P R_k P. Because P is a polynomial in R_k the two commute, so R_{k+1} = P (P R_k): three
+    m x m products per step besides R² (in float32 or float64, so P's diagonal keeps `a` to full precision) instead
+    of two (m, n) ones, and one Q X_0 at the end. Nothing is inverted, so rank-deficient input stays finite.
     """
     restarts = _restart_steps(len(coefficients))
     start = X
     inner_dtype = _GRAM_DTYPE.get(X.dtype, X.dtype)
     if inner_dtype != X.dtype:
         backend = kernel_choice(tuple(X.shape), inner_dtype, X.device)
-    R = symmetric_gram(start.to(inner_dtype), backend)
+    buffers = _Buffers(X)
+    square = (*X.shape[:-1], X.shape[-2])
+    R = symmetric_gram(start.to(inner_dtype), backend, out=buffers.get("R", square, inner_dtype))
     if preconditioner == "aol":
         start, R = aol_scaled(start, R, eps)
     Q: Tensor | None = None
     for step, (a, b, c) in enumerate(coefficients):
         if step in restarts:
             start = torch.matmul(Q.to(start.dtype), start)
-            R, Q = symmetric_gram(start.to(inner_dtype), backend), None
-        Z = symmetric_polynomial(R, b, c, backend)  # b R + c R²
-        if Q is None:  # P itself: Z + a I
-            Q = Z.clone()
-            Q.diagonal(dim1=-2, dim2=-1).add_(a)
-        else:
-            Q = _scaled_plus_product(Q, Z, a)  # P Q
+            R, Q = symmetric_gram(start.to(inner_dtype), backend, out=buffers.get("R", square, inner_dtype)), None
+        P = symmetric_polynomial(R, b, c, backend, out=buffers.get("P", square, inner_dtype))
+        P.diagonal(dim1=-2, dim2=-1).add_(a)
+        Q = P.clone() if Q is None else _product(P, Q, buffers.get(f"Q{step % 2}", square, inner_dtype))
         if step + 1 < len(coefficients) and step + 1 not in restarts:
-            W = _scaled_plus_product(R, Z, a)  # R P
-            R = _scaled_plus_product(W, Z, a)  # P R P
+            W = _product(P, R, buffers.get("W", square, inner_dtype))  # P R
+            R = _product(P, W, buffers.get("R", square, inner_dtype))  # P R P
     return torch.matmul(Q.to(start.dtype), start)
 
 
-def _scaled_plus_product(X: Tensor, P: Tensor, a: float) -> Tensor:
-    """a*X + P @ X for one matrix or a batch. On CPUs a batch goes one `addmm` per matrix: the CPU BLAS multiplies
-    one matrix at a time anyway, and its batched `baddbmm` measured 10-25% slower on GPT-2's (3, 768, 3072) and
-    (3, 768, 768) buckets (2-core AMD EPYC, fp32). GPUs keep the single batched call."""
+class _Buffers:
+    """The tensors one Newton-Schulz call writes step after step, by name, each allocated once and then reused, for
+    a batch on the CPU outside torch.compile; elsewhere `get` is None and each product allocates.
+
+    glibc hands large freed blocks back to the kernel, so on a CPU every fresh tensor is faulted in page by page
+    again: on GPT-2's (12, 768, 3072) bf16 bucket a fresh X cost as much as the product that fills it (2-core Xeon
+    with AMX: `bmm` 37 ms into a new tensor, 20 ms into a used one). GPUs' caching allocators reuse memory already,
+    and under torch.compile the compiler plans memory (and dynamo does not trace `out=` into a view).
+    """
+
+    def __init__(self, X: Tensor) -> None:
+        self.enabled = X.ndim == 3 and X.device.type == "cpu" and not torch.compiler.is_compiling()
+        self.device = X.device
+        self.tensors: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Tensor | None:
+        if not self.enabled:
+            return None
+        if name not in self.tensors:
+            self.tensors[name] = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        return self.tensors[name]
+
+    def adopt(self, name: str, tensor: Tensor) -> None:
+        """Use `tensor` (the caller's to overwrite, contiguous) as the buffer `name`."""
+        if self.enabled and tensor.is_contiguous():
+            self.tensors[name] = tensor
+
+
+def _standard_iteration(X: Tensor, gram: Tensor | None, coefficients: Sequence[Coefficients],
+                        backend: str) -> Tensor:
+    """X <- a X + (b A + c A²) X with A = X Xᵀ, one step per triple; `gram` is the first step's A if computed.
+    X is `newton_schulz`'s own (scaled) tensor, so on CPU batches it serves as one of the two buffers X alternates
+    between (see `_Buffers`)."""
+    buffers = _Buffers(X)
+    buffers.adopt("X1", X)
+    square = (*X.shape[:-1], X.shape[-2])
+    for step, (a, b, c) in enumerate(coefficients):
+        if gram is None:
+            gram = symmetric_gram(X, backend, out=buffers.get("A", square, X.dtype))
+        polynomial = symmetric_polynomial(gram, b, c, backend, out=buffers.get("P", square, X.dtype))  # b A + c A²
+        X = _scaled_plus_product(X, polynomial, a, out=buffers.get(f"X{step % 2}", X.shape, X.dtype))
+        gram = None
+    return X
+
+
+def _scaled_plus_product(X: Tensor, P: Tensor, a: float, out: Tensor | None = None) -> Tensor:
+    """a*X + P @ X for one matrix or a batch, into `out` if given (CPU batches; P is then overwritten).
+
+    A 2D X takes torch.optim.Muon's operation (so its rounding). Into `out`, float32 and float64 compute (P + a I) X:
+    one product that never reads X elementwise (a transposed X, as a tall matrix's first step has, is read only by
+    the BLAS, which takes transposed operands at full speed, where an elementwise pass over it measured ~8 ms per
+    768 x 3072 float32 matrix); 16-bit keeps `baddbmm`'s a X, because P + a I rounded to bf16 (a is up to 8) made the
+    result 4x farther from the float64 iteration's."""
     if X.ndim == 2:
         return torch.addmm(X, P, X, beta=a)
-    if X.device.type != "cpu":
+    if out is None:
         return torch.baddbmm(X, P, X, beta=a)
-    if torch.compiler.is_compiling():  # dynamo does not trace out= into a view; the stack's copy is its price
-        return torch.stack([torch.addmm(x, p, x, beta=a) for x, p in zip(X.unbind(), P.unbind())])
-    out = torch.empty_like(X, memory_format=torch.contiguous_format)
-    for x, p, result in zip(X.unbind(), P.unbind(), out.unbind()):
-        torch.addmm(x, p, x, beta=a, out=result)
+    if X.element_size() <= 2:
+        return torch.baddbmm(X, P, X, beta=a, out=out)
+    P.diagonal(dim1=-2, dim2=-1).add_(a)
+    return _product(P, X, out)
+
+
+def _product(P: Tensor, X: Tensor, out: Tensor | None) -> Tensor:
+    """P @ X, into `out` if given (CPU batches: float32 and float64 one `mm` per matrix, which measured as fast as
+    `bmm` on a Xeon and 10-25% faster than MKL's batched entry point on an AMD EPYC; 16-bit one `bmm`, which oneDNN
+    spreads over the threads, 2x a loop's speed on (12, 768, 768) bf16)."""
+    if out is None or X.element_size() <= 2:
+        return torch.matmul(P, X, out=out)
+    for p, x, result in zip(P.unbind(), X.unbind(), out.unbind()):
+        torch.mm(p, x, out=result)
     return out
 
 
