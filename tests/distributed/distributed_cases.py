@@ -8,6 +8,7 @@ import math
 import sys
 from unittest import mock
 from collections.abc import Callable, Sequence
+from typing import ContextManager
 from functools import partial
 from pathlib import Path
 
@@ -155,6 +156,12 @@ DIVIDED_SHAPES = [(40, 256), (256, 24), (8, 8), (6, 10)]
 EXPERT_SHAPES = [(8, 32, 48), (12, 12)]
 
 
+def columns_divided_on_cpu() -> ContextManager:
+    """CPU (gloo) meshes divide no matrix by columns (`assignment.NO_COLUMN_DIVISION_ON`: slower there); within this
+    they do, as GPU meshes, so that the division is tested here."""
+    return mock.patch.object(submodule(optimizer, "distributed.assignment"), "NO_COLUMN_DIVISION_ON", frozenset())
+
+
 def divided_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], shapes: Sequence[tuple[int, ...]],
                  kind: str, **options) -> None:
     """dtensor_case on shapes whose owners divide them (the single-device result, within its tolerance), checking
@@ -168,7 +175,7 @@ def divided_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], s
         return plans[-1]
 
     step = submodule(optimizer, "distributed.step")
-    with mock.patch.object(step, "chunked_shares", recording):
+    with mock.patch.object(step, "chunked_shares", recording), columns_divided_on_cpu():
         dtensor_case(mesh_shape, placements, shapes=shapes, **options)
     kinds = {share.kind for shares, _ in plans for item_shares in shares for share in item_shares}
     assert kind in kinds, kinds
@@ -278,11 +285,18 @@ def plan_step_bytes_case(world: int, placements: Sequence[Placement], shapes: Se
         param.grad = distribute_tensor(grad, mesh, placements, src_data_rank=None)
     sent, received = _traffic_of_one_step(Muon(params, lr=LR, **options))
     # Muon's ns_dtype=None is this CPU's fastest dtype; plan_step's default is a GPU's bfloat16.
-    plan = optimizer.plan_step(shapes, world, placements=placements,
+    plan = optimizer.plan_step(shapes, world, placements=placements, mesh_device_type="cpu",
                                **({"ns_dtype": optimizer.default_ns_dtype(torch.device("cpu"))} | options))
     rank = dist.get_rank()
     assert (sent, received) == (plan.bytes_sent_per_rank[rank], plan.bytes_received_per_rank[rank]), \
         (sent, received, plan)
+
+
+def divided_plan_step_bytes_case(world: int, placements: Sequence[Placement], shapes: Sequence[tuple[int, ...]],
+                                 **options) -> None:
+    """plan_step_bytes_case where the owners divide matrices by columns (the Gram exchanges counted too)."""
+    with columns_divided_on_cpu():
+        plan_step_bytes_case(world, placements, shapes, **options)
 
 
 def offload_case(world: int, **options) -> None:
@@ -394,7 +408,7 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "divided_columns_bf16_newton_schulz": partial(divided_case, (world,), [Shard(0)], DIVIDED_SHAPES, "columns",
                                                       atol=TRAINED_BF16_ATOL, ns_dtype=torch.bfloat16),
         "divided_experts_shard1": partial(divided_case, (world,), [Shard(1)], EXPERT_SHAPES, "experts"),
-        "plan_step_bytes_divided": partial(plan_step_bytes_case, world, [Shard(0)], shapes=DIVIDED_SHAPES,
+        "plan_step_bytes_divided": partial(divided_plan_step_bytes_case, world, [Shard(0)], shapes=DIVIDED_SHAPES,
                                            ns_dtype=torch.float32, ns_algorithm="standard"),
         # offload="cpu": the pipeline and the in-place expert bank staged through a recording copier.
         "shard0_offloaded_int8_state": partial(offload_case, world, state_dtype="int8", chunk_size=2),

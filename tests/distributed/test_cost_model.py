@@ -45,8 +45,8 @@ def test_bytes_are_every_shard_to_its_owners_and_back(world: int, dtype: torch.d
     come back; the owners of a divided matrix send each other their (m, m) Gram parts each step and one square."""
     plan = optimizer.plan_step(GPT2_SMALL, world, comm_dtype=dtype)
     layouts = [layout_module.sharded_layout(shape, (world,), (Shard(0),), tuple(range(world))) for shape in GPT2_SMALL]
-    works = [assignment.work_of(routing.matrix_view(torch.Size(shape)), layout, 5, "auto", torch.bfloat16)
-             for shape, layout in zip(GPT2_SMALL, layouts)]
+    works = [assignment.work_of(routing.matrix_view(torch.Size(shape)), layout, 5, "auto", torch.bfloat16,
+                                "cuda") for shape, layout in zip(GPT2_SMALL, layouts)]
     shares, _ = assignment.chunked_shares(works, world, None)
     itemsize = torch.empty((), dtype=dtype).element_size()
     sent, received = [0] * world, [0] * world

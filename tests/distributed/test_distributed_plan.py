@@ -24,9 +24,9 @@ def gpt_matrix_shapes(layers: int, width: int) -> list[tuple[int, int]]:
     return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
 
 
-def _works(shapes, world: int, dtype: torch.dtype = torch.bfloat16) -> list:
+def _works(shapes, world: int, dtype: torch.dtype = torch.bfloat16, device_type: str = "cuda") -> list:
     layouts = [layout_module.sharded_layout(shape, (world,), (Shard(0),), tuple(range(world))) for shape in shapes]
-    return [assignment.work_of(routing.matrix_view(torch.Size(shape)), layout, 5, "auto", dtype)
+    return [assignment.work_of(routing.matrix_view(torch.Size(shape)), layout, 5, "auto", dtype, device_type)
             for shape, layout in zip(shapes, layouts)]
 
 
@@ -67,6 +67,19 @@ def test_banks_divide_by_experts_and_gram_iterations_stay_whole() -> None:
     shares, _ = assignment.chunked_shares([bank], 4, None)
     assert [(share.start, share.stop) for share in shares[0]] == [(0, 16), (16, 32), (32, 48), (48, 64)]
     assert _works([(64, 1024)], 4, torch.float32)[0].splitting is None  # fp32 "auto" runs the Gram iteration
+
+
+def test_cpu_meshes_divide_expert_banks_but_no_matrix_by_columns() -> None:
+    # gloo's per-step Gram exchanges made divided steps slower than whole ones (assignment.NO_COLUMN_DIVISION_ON).
+    shapes = gpt_matrix_shapes(2, 768)
+    cpu, gpu = _works(shapes, 16, device_type="cpu"), _works(shapes, 16, device_type="cuda")
+    assert all(work.splitting is None for work in cpu)
+    assert all(work.splitting is not None and work.splitting.kind == "columns" for work in gpu)
+    shares, _ = assignment.chunked_shares(cpu, 16, None)
+    assert all(len(item_shares) == 1 and item_shares[0].kind is None for item_shares in shares)
+    assert _works([(64, 32, 48)], 4, device_type="cpu")[0].splitting.kind == "experts"
+    spread = optimizer.plan_step(shapes, 16, mesh_device_type="cpu")
+    assert spread.balance > 1.05 and max(spread.flops_per_rank) == max(work.flops for work in cpu)
 
 
 def test_cost_is_the_flop_count_of_the_iteration_that_runs() -> None:

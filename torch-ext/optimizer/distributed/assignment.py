@@ -26,6 +26,13 @@ from .layout import Box, ShardLayout, box_numel
 MATRICES_PER_RANK_PER_CHUNK = 2
 # The largest max/mean Newton-Schulz FLOPs over the ranks that whole matrices may leave before some are divided.
 BALANCE_GOAL = 1.05
+# Mesh device types on which no matrix is divided by columns. A divided matrix's owners exchange their parts of X Xᵀ at
+# every Newton-Schulz step, a collective each time that every owner waits for. Under gloo (CPU meshes) a collective
+# cost ~4 ms, and dividing made the step slower both times it was measured (4 ranks on a 2-core Xeon with AMX, bf16:
+# 8 GPT-2 matrices whose whole-matrix plan was 1.09 max/mean, 447 ms divided against 275 ms whole; 4 matrices at
+# 1.29, 239 against 149 ms). Expert banks divide everywhere (by experts: no extra traffic). On GPUs (NCCL) dividing
+# is predicted to pay (`plan_step`), not yet measured.
+NO_COLUMN_DIVISION_ON: frozenset[str] = frozenset({"cpu"})
 # The narrowest column share. Its products are (m, m) by (m, width), which run far below a GPU's peak when width is
 # tiny, and every share adds an (m, m) part of X Xᵀ to each step's exchange.
 MIN_SHARE_COLUMNS = 32
@@ -94,10 +101,12 @@ class Share:
         return tuple(full)
 
 
-def work_of(view: MatrixView, layout: ShardLayout, steps: int, algorithm: str, dtype: torch.dtype) -> Work:
+def work_of(view: MatrixView, layout: ShardLayout, steps: int, algorithm: str, dtype: torch.dtype,
+            device_type: str) -> Work:
     """An item's work and how it may be divided: a bank of several experts along its one batch dim; a single
     matrix along the long dim of its wide orientation when it runs the standard iteration (the Gram iteration's
-    (m, m) products cannot be divided that way). Only along dims whose storage order is the global order."""
+    (m, m) products cannot be divided that way) on a mesh of `device_type` not in NO_COLUMN_DIVISION_ON. Only along
+    dims whose storage order is the global order."""
     flops = iteration_flops(view, steps, algorithm, dtype)
     ndim = len(layout.shape)
     in_order = [dim for dim in range(ndim) if not layout.orders or layout.orders[dim] is None]
@@ -110,7 +119,7 @@ def work_of(view: MatrixView, layout: ShardLayout, steps: int, algorithm: str, d
         return Work(flops)
     short, long = sorted((view.rows, view.cols))
     long_dim = view.row_dim if view.rows > view.cols else (view.column_dims[0] if len(view.column_dims) == 1 else None)
-    if (ndim != 2 or long_dim not in in_order or long < 2 * MIN_SHARE_COLUMNS
+    if (device_type in NO_COLUMN_DIVISION_ON or ndim != 2 or long_dim not in in_order or long < 2 * MIN_SHARE_COLUMNS
             or resolve_algorithm(algorithm, (short, long), steps, dtype) != "standard"):
         return Work(flops)
     return Work(flops, Splitting(COLUMNS, long_dim, long, column_share_flops(short, 1, steps), MIN_SHARE_COLUMNS))

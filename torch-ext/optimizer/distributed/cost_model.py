@@ -65,12 +65,13 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
               mesh_shape: Sequence[int] | None = None, chunk_size: int | None = None,
               comm_dtype: torch.dtype = torch.bfloat16, ns_steps: int = 5, ns_algorithm: str = "auto",
               ns_dtype: torch.dtype = torch.bfloat16, param_layout: str = "auto", conv_mode: str = "flatten",
-              device: DeviceModel | None = None) -> StepPlan:
+              device: DeviceModel | None = None, mesh_device_type: str = "cuda") -> StepPlan:
     """The cost of one Muon step over `world` ranks for parameters of `shapes` (global shapes, as DTensors have),
     laid out by `placements` over a mesh of `mesh_shape` (default: one mesh dim of `world` ranks, Shard(0), as
     FSDP2 shards). The mesh is the one the step spreads over: under HSDP, the shard dims (each replica group runs
     the same plan). `chunk_size`, `comm_dtype`, `ns_steps`, `ns_algorithm`, `ns_dtype` (None in Muon is the
-    device's: bfloat16 on GPUs), `param_layout` and `conv_mode` are Muon's options."""
+    device's: bfloat16 on GPUs), `param_layout` and `conv_mode` are Muon's options. `mesh_device_type` is the
+    device type of the mesh ("cpu" meshes divide no matrix by columns, see `assignment.NO_COLUMN_DIVISION_ON`)."""
     from torch.distributed.tensor import Shard  # noqa: PLC0415 (torch.distributed is optional at import)
 
     placements = tuple(placements or (Shard(0),))
@@ -83,7 +84,7 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
     iteration = (ns_steps, ns_algorithm, ns_dtype)
     base = in_place_loads([pair for pair, local in zip(zip(views, layouts), in_place) if local], world, *iteration)
     spread = [j for j, local in enumerate(in_place) if not local]
-    works = [work_of(views[j], layouts[j], *iteration) for j in spread]
+    works = [work_of(views[j], layouts[j], *iteration, mesh_device_type) for j in spread]
     shares, chunks = chunked_shares(works, world, chunk_size, base)
     flops = rank_flops(works, shares, world, base)
     sent, received = [0] * world, [0] * world

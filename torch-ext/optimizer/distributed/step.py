@@ -58,7 +58,8 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         iteration = (len(orthogonalizer.coefficients), orthogonalizer.algorithm, orthogonalizer.dtype)
         base = in_place_loads([(item.view, layout) for item, layout, local in zip(group_items, layouts, in_place)
                                if local], world, *iteration)
-        works = [work_of(item.view, layout, *iteration) for item, layout, _, _ in spread]
+        device_type = spread[0][0].param.device.type
+        works = [work_of(item.view, layout, *iteration, device_type) for item, layout, _, _ in spread]
         shares, chunks = chunked_shares(works, world, chunk_size, base)
         spread = [SpreadItem(item, layout, item_shares, grad, flag)
                   for (item, layout, grad, flag), item_shares in zip(spread, shares)]
