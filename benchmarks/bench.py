@@ -208,16 +208,19 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype
         case = f"{m}x{n} 5 steps"
         rows.append(Row("zeropower", case, name, baseline, flop, baseline))
         for ns_dtype in ns_dtypes:
-            backends = [*_dispatch(optimizer).available_backends(ns_dtype, device), None]
-            for backend in backends:
-                label = f"zeropower {str(ns_dtype).removeprefix('torch.')} " + (
-                    f"backend={backend}" if backend else f"auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})")
+            ns_name = str(ns_dtype).removeprefix("torch.")
+            for backend in _dispatch(optimizer).available_backends(ns_dtype, device):
                 ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, backend=backend), device, repeats)
-                rows.append(Row("zeropower", case, label, ms, flop, baseline))
-            if not compiled_reference:
-                rows.append(_products_alone_row(optimizer, G.to(ns_dtype), case, flop, baseline, repeats))
+                rows.append(Row("zeropower", case, f"zeropower {ns_name} backend={backend}", ms, flop, baseline))
+            auto_label = f"zeropower {ns_name} auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})"
+            auto = lambda: optimizer.zeropower(G, 5, dtype=ns_dtype)  # noqa: E731
+            if compiled_reference:
+                rows.append(Row("zeropower", case, auto_label, median_ms(auto, device, repeats), flop, baseline))
+            else:
+                rows += _auto_and_products_alone_rows(optimizer, auto, auto_label, G.to(ns_dtype), case, flop,
+                                                      baseline, repeats)
                 ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, algorithm="gram"), device, repeats)
-                rows.append(Row("zeropower", case, f"zeropower {str(ns_dtype).removeprefix('torch.')} "
+                rows.append(Row("zeropower", case, f"zeropower {ns_name} "
                                 f"algorithm=gram (auto would pick {_ns_algorithm(optimizer, m, n)})", ms, flop,
                                 baseline))
                 rows.append(_aol_row(optimizer, G, ns_dtype, case, flop, baseline, repeats))
@@ -249,9 +252,11 @@ def _ns_algorithm(optimizer, m: int, n: int) -> str:
     return module.resolve_algorithm("auto", sorted((m, n)), 5, torch.float32)
 
 
-def _products_alone_row(optimizer, G: torch.Tensor, case: str, flop: float, baseline: float, repeats: int) -> Row:
-    """Our automatic path's three products per step (X Xᵀ, bA + cA², aX + B X) on fixed inputs and nothing else:
-    the floor zeropower's own time is compared with (goal: within 1.15x of it)."""
+def _auto_and_products_alone_rows(optimizer, auto: Callable[[], object], auto_label: str, G: torch.Tensor, case: str,
+                                  flop: float, baseline: float, repeats: int) -> list[Row]:
+    """zeropower's automatic path and, side by side with it, that path's three products per step (X Xᵀ, bA + cA²,
+    aX + B X) on fixed inputs and nothing else: the floor zeropower's own time is compared with (goal: within 1.15x
+    of it)."""
     dispatch = _dispatch(optimizer)
     X = G.mT if G.size(-2) > G.size(-1) else G
     X = (X / X.norm()).contiguous()
@@ -263,9 +268,10 @@ def _products_alone_row(optimizer, G: torch.Tensor, case: str, flop: float, base
             polynomial = dispatch.symmetric_polynomial(gram, -4.775, 2.0315, backend)
             torch.addmm(X, polynomial, X, beta=3.4445)
 
-    ms = median_ms(products, G.device, repeats)
-    return Row("zeropower", case, f"its products alone {str(G.dtype).removeprefix('torch.')} ({backend})", ms, flop,
-               baseline)
+    auto_ms, alone_ms = paired_medians_ms([auto, products], G.device, repeats)
+    alone_label = f"its products alone {str(G.dtype).removeprefix('torch.')} ({backend})"
+    return [Row("zeropower", case, auto_label, auto_ms, flop, baseline),
+            Row("zeropower", case, alone_label, alone_ms, flop, baseline)]
 
 
 def _emerging_newton_schulz_rows(G: torch.Tensor, case: str, flop: float, baseline: float, repeats: int) -> list[Row]:
@@ -458,36 +464,40 @@ def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, re
         naive = _NaiveGatherAll(optimizer, _dist_matrices(blocks, mesh))
         result["naive_ms"] = _timed_step_ms(naive.step, repeats, warm_up=False)  # no lazy state; the slowest row
         result["muon_fsdp2"] = _muon_fsdp2_ms(optimizer, blocks, mesh, repeats)
-        result["device_model"] = _measured_device_model(world)
+        result["device_model"] = _measured_device_model(world, optimizer.default_ns_dtype("cpu"))
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def _measured_device_model(world: int) -> dict[str, float]:
+def _measured_device_model(world: int, dtype: torch.dtype) -> dict[str, float]:
     """What plan_step's DeviceModel assumes, measured as a rank of this run sees it, every rank at work at once:
-    fp32 torch.mm FLOP/s (1024³), gloo all-to-all bytes per second a rank sends (8 MB per rank), and the time of an
-    all-to-all of one float per peer (the latency). Medians of 5."""
-    def median_s(work: Callable[[], object]) -> float:
+    torch.mm FLOP/s in the step's Newton-Schulz dtype (2048³ products until the last rank is done: with more ranks
+    than cores a rank that timed only its own product measured the whole machine's rate), gloo all-to-all bytes per
+    second a rank sends (8 MB per rank), and the time of an all-to-all of one float per peer (the latency). Medians
+    of 5."""
+    def median_s(work: Callable[[], object], until_all_done: bool = False) -> float:
         work()
         times = []
         for _ in range(5):
             dist.barrier()
             start = time.perf_counter()
             work()
+            if until_all_done:
+                dist.barrier()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    x = torch.randn(1024, 1024)
-    matmul = median_s(lambda: torch.mm(x, x))
+    x = torch.randn(2048, 2048, dtype=dtype)
+    matmul = median_s(lambda: torch.mm(x, x), until_all_done=True)
     big, tiny = torch.zeros(world * (2 << 20)), torch.zeros(world)
     big_out, tiny_out = torch.empty_like(big), torch.empty_like(tiny)
     latency = median_s(lambda: dist.all_to_all_single(tiny_out, tiny))
     transfer = median_s(lambda: dist.all_to_all_single(big_out, big))
     sent = (world - 1) / world * big.numel() * big.element_size()
-    return {"matmul_flops": 2 * 1024 ** 3 / matmul, "link_bytes_per_s": sent / max(transfer - latency, 1e-9),
-            "collective_latency_s": latency}
+    return {"matmul_flops": 2 * 2048 ** 3 / max(matmul - latency, 1e-9), "link_bytes_per_s":
+            sent / max(transfer - latency, 1e-9), "collective_latency_s": latency}
 
 
 def _muon_fsdp2_ms(optimizer, blocks: int, mesh, repeats: int) -> float | str:
@@ -543,7 +553,8 @@ def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[st
     minimum = 2 * (DIST_WORLD - 1) / DIST_WORLD * numel * 2 / DIST_WORLD
     sent = result["ours_bytes"]
     device_model = optimizer.DeviceModel(**result["device_model"])
-    plan = optimizer.plan_step(shapes, DIST_WORLD, ns_dtype=optimizer.default_ns_dtype("cpu"), device=device_model)
+    plan_dtype = optimizer.default_ns_dtype("cpu")
+    plan = optimizer.plan_step(shapes, DIST_WORLD, ns_dtype=plan_dtype, device=device_model, mesh_device_type="cpu")
     naive_bytes = (DIST_WORLD - 1) / DIST_WORLD * numel * 4  # a ring all-gather of fp32 gradients
     notes += [
         f"dist: bytes sent per rank per step: ours mean {statistics.mean(sent) / 1e6:.2f} MB, max "
@@ -555,7 +566,8 @@ def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[st
         f"{[round(b) for b in sent]}",
         f"dist: owner Newton-Schulz FLOP balance (max/mean over ranks, plan_step): {plan.balance:.3f}",
         f"dist: step time ours/naive {result['ours_ms'] / naive:.2f}x (ratio column: naive/ours)",
-        f"dist: plan_step's predicted step time with a DeviceModel measured in the same run (per rank: fp32 mm "
+        f"dist: plan_step's predicted step time with a DeviceModel measured in the same run (per rank: "
+        f"{str(plan_dtype).removeprefix('torch.')} mm "
         f"{device_model.matmul_flops / 1e9:.1f} GFLOP/s, gloo all-to-all {device_model.link_bytes_per_s / 1e9:.2f} "
         f"GB/s sent, {device_model.collective_latency_s * 1e6:.0f} us per collective): overlapped "
         f"{plan.time_overlapped_s * 1e3:.0f} ms, serial {plan.time_serial_s * 1e3:.0f} ms; measured "
@@ -668,7 +680,7 @@ def main() -> None:
             rows += bench_zeropower(optimizer, device, ns_dtypes, torch_dtype, ns_shapes, args.repeats,
                                     compiled_reference=True)
     if "step" in sections:
-        step_rows, step_notes = bench_step(optimizer, device, torch_dtype, max(3, args.repeats // 2))
+        step_rows, step_notes = bench_step(optimizer, device, torch_dtype, args.repeats)
         rows += step_rows
         notes += step_notes
         notes += [f"GPT-2 small: peak memory of a step above parameters and gradients (state and temporaries; "
