@@ -15,13 +15,19 @@ from spawning import free_port
 WORKER = Path(__file__).resolve().parent / "multinode_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 JOB_TIMEOUT_S = 300
+# A restarted job takes ~15 s here. torchrun's restart on one 2-core machine hangs now and then (about one run in ten:
+# after the dead rank's peers failed their collectives, the agents never finish the next rendezvous round), so a
+# restarted job that outlives this runs once more from scratch, and only a second hang fails the test.
+RESTART_JOB_TIMEOUT_S = 120
+AGENT_STOP_S = 30
 PER_NODE = 2
 
 
-def _job(nodes: int, checkpoints: Path, steps: int, max_restarts: int = 0,
-         fail_at: int | None = None) -> list[str]:
+def _job(nodes: int, checkpoints: Path, steps: int, max_restarts: int = 0, fail_at: int | None = None,
+         timeout_s: int = JOB_TIMEOUT_S) -> list[str]:
     """One torchrun agent per node, all on this machine; fails the test unless every agent exits cleanly. Returns
-    the agents' output. Timed out by the subprocess timeout (a hung rendezvous or collective fails the test)."""
+    the agents' output. Raises subprocess.TimeoutExpired past `timeout_s` (a hung rendezvous or collective), after
+    killing every agent with its ranks."""
     endpoint = f"127.0.0.1:{free_port()}"
     command = [*TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={PER_NODE}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint={endpoint}", "--rdzv-id=muon-test", f"--max-restarts={max_restarts}",
@@ -34,10 +40,19 @@ def _job(nodes: int, checkpoints: Path, steps: int, max_restarts: int = 0,
     outputs = []
     try:
         for agent in agents:
-            outputs.append(agent.communicate(timeout=JOB_TIMEOUT_S)[0])
+            outputs.append(agent.communicate(timeout=timeout_s)[0])
     finally:
+        # SIGTERM first: the agent then stops its ranks, which run in sessions of their own (a hung rank outlived a
+        # SIGKILLed agent).
         for agent in agents:
-            agent.kill()
+            if agent.poll() is None:
+                agent.terminate()
+        for agent in agents:
+            try:
+                agent.wait(timeout=AGENT_STOP_S)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
     failed = [(index, agent.returncode) for index, agent in enumerate(agents) if agent.returncode != 0]
     assert not failed, f"agents {failed} failed:\n" + "\n".join(output[-4000:] for output in outputs)
     return outputs
@@ -51,7 +66,16 @@ def test_hsdp_checkpoint_of_two_nodes_resumes_on_one(tmp_path: Path) -> None:
 
 
 def test_a_rank_that_dies_is_restarted_from_the_last_checkpoint_and_loses_no_step(tmp_path: Path) -> None:
-    outputs = _job(nodes=2, checkpoints=tmp_path, steps=4, max_restarts=1, fail_at=2)
-    assert (tmp_path / "a-rank-died").exists() and any("failed (exitcode: 17)" in output for output in outputs)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-rank-died", "step-1", "step-2", "step-3",
-                                                                 "step-4"]
+    for attempt in ("first", "second"):  # see RESTART_JOB_TIMEOUT_S
+        checkpoints = tmp_path / attempt
+        checkpoints.mkdir()
+        try:
+            outputs = _job(nodes=2, checkpoints=checkpoints, steps=4, max_restarts=1, fail_at=2,
+                           timeout_s=RESTART_JOB_TIMEOUT_S)
+            break
+        except subprocess.TimeoutExpired:
+            if attempt == "second":
+                raise
+    assert (checkpoints / "a-rank-died").exists() and any("failed (exitcode: 17)" in output for output in outputs)
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["a-rank-died", "step-1", "step-2", "step-3",
+                                                                    "step-4"]
