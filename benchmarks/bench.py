@@ -474,7 +474,8 @@ def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, re
 def _measured_device_model(world: int, dtype: torch.dtype) -> dict[str, float]:
     """What plan_step's DeviceModel assumes, measured as a rank of this run sees it, every rank at work at once:
     torch.mm FLOP/s in the step's Newton-Schulz dtype (2048³ products until the last rank is done: with more ranks
-    than cores a rank that timed only its own product measured the whole machine's rate), gloo all-to-all bytes per
+    than cores a rank that timed only its own product measured the whole machine's rate; the closing barrier's cost,
+    one collective's latency, taken off), gloo all-to-all bytes per
     second a rank sends (8 MB per rank), and the time of an all-to-all of one float per peer (the latency). Medians
     of 5."""
     def median_s(work: Callable[[], object], until_all_done: bool = False) -> float:

@@ -257,14 +257,7 @@ def _fused_adamw_taken_(items: Sequence[AdamWTensors], skipped: Sequence[float],
         else:
             together.setdefault(item.param.dtype, []).append(item)
     for group in together.values():
-        written = [tensor for item in group for tensor in (item.param, item.exp_avg, item.exp_avg_sq)]
-        work = [tensor.contiguous() for tensor in written]  # see `_fused_adamw_one_`
-        torch._fused_adamw_(work[0::3], [item.grad.to(item.param.dtype).contiguous() for item in group], work[1::3],
-                            work[2::3], [], [item.step for item in group], lr=lr, beta1=betas[0], beta2=betas[1],
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        for original, result in zip(written, work):
-            if result is not original:
-                original.copy_(result)
+        _fused_adamw_plain_(group, None, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def by_device(items: Sequence[AdamWTensors]) -> dict[torch.device, list[AdamWTensors]]:
@@ -284,18 +277,28 @@ ROUNDED_CHUNK = 1 << 16
 
 def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor, *, lr: LearningRate, betas: tuple[float, float],
                       eps: float, weight_decay: float) -> None:
-    # torch's CPU fused AdamW walks every tensor as if it were contiguous: on a strided view (a column, a transposed
-    # weight) it computes a wrong update and writes beside the view. So it gets contiguous tensors, and what was a
-    # copy goes back.
-    written = [item.param, item.exp_avg, item.exp_avg_sq]
+    settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if item.rounding_count is None:
+        _fused_adamw_plain_([item], found_inf, **settings)
+        return
+    param = item.param.contiguous()  # see `_fused_adamw_plain_`
+    _fused_adamw_rounded_(item, param, found_inf, **settings)
+    if param is not item.param:
+        item.param.copy_(param)
+
+
+def _fused_adamw_plain_(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: LearningRate,
+                        betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """torch's fused AdamW on parameters of one dtype whose moments are stored as they are, in one call.
+
+    torch's CPU fused AdamW walks every tensor as if it were contiguous: on a strided view (a column, a transposed
+    weight) it computes a wrong update and writes beside the view. So it gets contiguous tensors, and what was a
+    copy goes back."""
+    written = [tensor for item in items for tensor in (item.param, item.exp_avg, item.exp_avg_sq)]
     work = [tensor.contiguous() for tensor in written]
-    if item.rounding_count is not None:
-        _fused_adamw_rounded_(item, work[0], found_inf, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        written, work = written[:1], work[:1]
-    else:
-        torch._fused_adamw_(work[:1], [item.grad.to(work[0].dtype).contiguous()], work[1:2], work[2:], [],
-                            [item.step], lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps,
-                            amsgrad=False, maximize=False, found_inf=found_inf)
+    torch._fused_adamw_(work[0::3], [item.grad.to(item.param.dtype).contiguous() for item in items], work[1::3],
+                        work[2::3], [], [item.step for item in items], lr=lr, beta1=betas[0], beta2=betas[1],
+                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, found_inf=found_inf)
     for original, result in zip(written, work):
         if result is not original:
             original.copy_(result)

@@ -229,8 +229,8 @@ class _Buffers:
     glibc hands a freed block above its mmap threshold (32 MiB at most) back to the kernel, so on a CPU every such
     fresh tensor is faulted in page by page again: on GPT-2's (12, 768, 3072) bf16 bucket (56 MiB) a fresh X cost
     as much as the product that fills it (2-core Xeon with AMX: `bmm` 37 ms into a new tensor, 20 ms into a used
-    one). GPUs' caching allocators reuse memory already,
-    and under torch.compile the compiler plans memory (and dynamo does not trace `out=` into a view).
+    one). GPUs' caching allocators reuse memory already, and under torch.compile the compiler plans memory (and
+    dynamo does not trace `out=` into a view).
     """
 
     def __init__(self, X: Tensor) -> None:
