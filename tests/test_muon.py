@@ -38,7 +38,9 @@ def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_matches_torch_muon(nesterov: bool) -> None:
     torch.manual_seed(0)
-    shapes = [(64, 96), (96, 64), (48, 48)]
+    # Batches of 2, 3 and 1, in an order whose buffers (reused from bucket to bucket and step to step on a CPU)
+    # shrink and grow again.
+    shapes = [(64, 96), (96, 64), (48, 48), (96, 64), (64, 96), (96, 64)]
     ours = [torch.randn(s) for s in shapes]
     theirs = [p.clone() for p in ours]
     settings = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, eps=1e-7)
@@ -251,9 +253,9 @@ def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.Monkey
     calls: list[tuple[int, ...]] = []
     real = functional.Orthogonalizer.__call__
 
-    def counting(self, matrices):
+    def counting(self, matrices, workspace=None):
         calls.append(tuple(matrices.shape))
-        return real(self, matrices)
+        return real(self, matrices, workspace)
 
     monkeypatch.setattr(functional.Orthogonalizer, "__call__", counting)
     params = [torch.randn(32, 48) for _ in range(5)] + [torch.randn(48, 32) for _ in range(2)]
@@ -265,8 +267,12 @@ def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.Monkey
 def test_ns_dtype_none_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     dtypes: list[torch.dtype] = []
     real = functional.Orthogonalizer.__call__
-    monkeypatch.setattr(functional.Orthogonalizer, "__call__",
-                        lambda self, matrices: dtypes.append(self.dtype) or real(self, matrices))
+
+    def recording(self, matrices, workspace=None):
+        dtypes.append(self.dtype)
+        return real(self, matrices, workspace)
+
+    monkeypatch.setattr(functional.Orthogonalizer, "__call__", recording)
     param = torch.randn(8, 8)
     seeded_grads([param], 0)
     Muon([param]).step()

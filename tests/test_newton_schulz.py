@@ -14,7 +14,8 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 
 from optimizer.coefficients import polar_express_coefficients, resolve_coefficients  # noqa: E402
-from optimizer.newton_schulz import newton_schulz, resolve_algorithm, zeropower  # noqa: E402
+from optimizer.newton_schulz import Orthogonalizer, newton_schulz, resolve_algorithm, zeropower  # noqa: E402
+from optimizer.workspace import Workspace  # noqa: E402
 
 KELLER_JORDAN = (3.4445, -4.7750, 2.0315)
 DESIGN_LOWER_BOUND = 1e-3  # the smallest normalized singular value the default Polar Express schedule targets
@@ -146,6 +147,31 @@ def test_tall_is_wide_transposed(shape, dtype):
     # A tall input is iterated as its wide transpose, so the results are the same numbers, bit for bit.
     G = random_matrix(*shape, dtype=dtype)
     assert torch.equal(zeropower(G.mT, 5, dtype=dtype), zeropower(G, 5, dtype=dtype).mT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+def test_stacks_orthogonalized_in_one_workspace_are_zeropowers_results_in_their_layout(dtype, algorithm):
+    # The optimizer's path: each stack is its own to overwrite, and every call takes its buffers from one workspace,
+    # whose blocks the next stack (another shape, batch or orientation) reuses.
+    orthogonalize = Orthogonalizer(tuple(resolve_coefficients("polar_express", 5, None)), 1e-7, dtype, algorithm)
+    workspace = Workspace()
+    for seed, shape in enumerate([(3, 40, 24), (2, 24, 40), (4, 40, 24), (1, 17, 17)]):
+        G = random_matrix(*shape, dtype=dtype, seed=seed)
+        result = orthogonalize(G.clone(), workspace)
+        assert result.is_contiguous()
+        assert torch.equal(result, zeropower(G, 5, dtype=dtype, algorithm=algorithm))
+
+
+def test_a_workspace_block_is_reused_across_shapes_and_dtypes_and_grows_when_asked_for_more():
+    workspace, cpu = Workspace(), torch.device("cpu")
+    first = workspace.tensor("X", (4, 8, 16), torch.float32, cpu)
+    smaller = workspace.tensor("X", (2, 8, 8), torch.bfloat16, cpu)
+    assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (2, 8, 8) and smaller.is_contiguous()
+    assert workspace.tensor("other", (4, 8, 16), torch.float32, cpu).data_ptr() != first.data_ptr()
+    larger = workspace.tensor("X", (5, 8, 16), torch.float32, cpu)
+    assert larger.shape == (5, 8, 16)
+    assert workspace.tensor("X", (5, 8, 16), torch.float32, cpu).data_ptr() == larger.data_ptr()
 
 
 @pytest.mark.parametrize("coefficients", ["original", "quintic", "polar_express"])

@@ -20,6 +20,7 @@ from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, squares, sum_of_squares, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
+from .workspace import Workspace
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rsqrt_in")
 
@@ -169,16 +170,17 @@ def _momentum_into(bucket: list[MuonTensors], matrices: Tensor, beta: float, nes
 
 def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
                 orthogonalizer: Orthogonalizer, adjust_lr_fn: str | None, normalize_spatial: bool,
-                normalization: str | None, normalization_beta: float) -> None:
+                normalization: str | None, normalization_beta: float, workspace: Workspace | None = None) -> None:
     """Momentum, batched Newton-Schulz per bucket, the optional second-moment normalization, decoupled weight decay
-    and the scaled update."""
+    and the scaled update. Each bucket's stack and Newton-Schulz buffers come from `workspace` (None: a fresh one)."""
+    workspace = workspace or Workspace()
     for (device, _, rows, cols), bucket in _bucket(items).items():
         batches = [item.view.batch for item in bucket]
-        matrices = torch.empty(sum(batches), rows, cols, dtype=orthogonalizer.staging_dtype, device=device)
+        matrices = workspace.tensor("stack", (sum(batches), rows, cols), orthogonalizer.staging_dtype, device)
         finite = _momentum_into(bucket, matrices, momentum, nesterov)
         # A skipped parameter's momentum step wrote zeros, and Newton-Schulz maps zero to exactly zero (the norm is
         # clamped, and each matrix of the batch is independent), so its update below adds exactly nothing.
-        orthogonal = orthogonalizer(matrices)
+        orthogonal = orthogonalizer(matrices, workspace)
         params = [item.param for item in bucket]
         skipped = finite.eq(0)
         for item, was_skipped in zip(bucket, skipped.unbind()):

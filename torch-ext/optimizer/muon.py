@@ -30,6 +30,7 @@ from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_thre
 from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
 from .state_precision import (MOMENT_KEYS, STATE_DTYPES, is_quantized, rounds_stochastically, scale_key, scales_shape,
                               store_, stored_dtype, working_copy)
+from .workspace import Workspace
 
 # What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
 # belongs to its process and cannot be saved, so the copy's step asks for one instead of running single-device.
@@ -434,6 +435,7 @@ class Muon(Optimizer):
         self._say_where_offload_applies()
         # Attributes too: they hold parameters, and names resolve only once the groups (and their names) exist.
         self.qk_clip = resolve_layers(qk_clip or {}, self._named_params())
+        self._workspace = Workspace()  # CPU steps' scratch memory, kept from step to step; never saved
 
     def __getstate__(self) -> dict[str, Any]:
         # torch saves defaults, state and param_groups; the QK-clip layers and the process group are attributes.
@@ -444,6 +446,7 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("offload", None)  # a copy from before the option existed
+        self._workspace = Workspace()
         for group in self.param_groups:  # a copy from before an option existed gets its default
             for key, value in self._option_defaults().items():
                 group.setdefault(key, value)
@@ -622,7 +625,7 @@ class Muon(Optimizer):
         for item in items:
             (spread if is_spread(item.param, self.process_group) else local).append(item)
         if local:
-            staged_muon_update(local, **settings)
+            staged_muon_update(local, workspace=self._workspace, **settings)
         if spread:
             distributed_muon_update(spread, process_group=self.process_group, comm_dtype=group["comm_dtype"],
                                     chunk_size=group["chunk_size"], **settings)
