@@ -124,15 +124,17 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     # The full reduction for 2D is torch.optim.Muon's, and so is its rounding (see `norm_denominator`).
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
     denominator = norm_denominator(norm, G.shape, eps, safety_factor, scale_eps)
-    X = (X.div_(denominator) if overwrite_input else X / denominator).to(dtype or G.dtype)
+    buffers = _Buffers(X, workspace)
+    X = _scaled(X, denominator, dtype or G.dtype, overwrite_input, buffers)
     backend = resolve_backend(X, backend)
     if resolve_algorithm(algorithm, X.shape, len(coefficients), X.dtype) == "gram":
-        X = _gram_iteration(X, coefficients, backend, preconditioner, eps, workspace)
+        X = _gram_iteration(X, coefficients, backend, preconditioner, eps, buffers)
     else:
         gram = None
         if preconditioner == "aol":
             X, gram = aol_scaled(X, symmetric_gram(X, backend), eps)
-        X = _standard_iteration(X, gram, coefficients, backend, workspace)
+            buffers.adopt("X1", X)
+        X = _standard_iteration(X, gram, coefficients, backend, buffers)
     if tall and overwrite_input and X.ndim == 3 and X.dtype == G.dtype:
         # Back in G's layout (G is free by now): the caller adds each matrix to a parameter of that layout, and on
         # a CPU adding a transposed 768 x 3072 bf16 update to its float32 parameter took 7.5 ms against 1.5 ms for
@@ -148,6 +150,20 @@ def norm_denominator(norm: Tensor, shape: Sequence[int], eps: float, safety_fact
     if safety_factor != 1.0:
         norm = norm * safety_factor
     return norm + eps * math.sqrt(shape[-1] / shape[-2]) if scale_eps else norm.clamp(min=eps)
+
+
+def _scaled(X: Tensor, denominator: Tensor, dtype: torch.dtype, overwrite_input: bool, buffers: _Buffers) -> Tensor:
+    """X / denominator in `dtype`, newton_schulz's own tensor, which becomes the buffer "X1" (see `_Buffers`). A CPU
+    batch stored row-major in `dtype` is divided into the workspace's block and X itself, when the caller's, becomes
+    "X0": out of place ran twice as fast as in place (7 vs 13 ms on (12, 768, 3072) bf16, 2-core Xeon)."""
+    into = buffers.get("X1", X.shape, dtype) if X.is_contiguous() and X.dtype == dtype else None
+    if into is not None:
+        if overwrite_input:
+            buffers.adopt("X0", X)
+        return torch.div(X, denominator, out=into)
+    X = (X.div_(denominator) if overwrite_input else X / denominator).to(dtype)
+    buffers.adopt("X1", X)
+    return X
 
 
 def aol_scaled(X: Tensor, gram: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -198,7 +214,7 @@ _GRAM_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
 def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: str, preconditioner: str | None,
-                    eps: float, workspace: Workspace | None) -> Tensor:
+                    eps: float, buffers: _Buffers) -> Tensor:
     """Gram Newton-Schulz: the same polynomial iteration, carried out on the (m, m) Gram matrix of a wide X.
 
     Every step multiplies X on the left by P = a I + b R + c R² with R = X Xᵀ, so X_k = Q_k X_0 with Q_k the product of
@@ -211,7 +227,6 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
     inner_dtype = _GRAM_DTYPE.get(X.dtype, X.dtype)
     if inner_dtype != X.dtype:
         backend = kernel_choice(tuple(X.shape), inner_dtype, X.device)
-    buffers = _Buffers(X, workspace)
     square = (*X.shape[:-1], X.shape[-2])
     R = symmetric_gram(start.to(inner_dtype), backend, out=buffers.get("R", square, inner_dtype))
     if preconditioner == "aol":
@@ -254,12 +269,9 @@ class _Buffers:
 
 
 def _standard_iteration(X: Tensor, gram: Tensor | None, coefficients: Sequence[Coefficients],
-                        backend: str, workspace: Workspace | None) -> Tensor:
+                        backend: str, buffers: _Buffers) -> Tensor:
     """X <- a X + (b A + c A²) X with A = X Xᵀ, one step per triple; `gram` is the first step's A if computed.
-    X is `newton_schulz`'s own (scaled) tensor, so on CPU batches it serves as one of the two buffers X alternates
-    between (see `_Buffers`)."""
-    buffers = _Buffers(X, workspace)
-    buffers.adopt("X1", X)
+    X is `newton_schulz`'s own (scaled) tensor, on CPU batches the buffer "X1": X alternates between "X0" and "X1"."""
     square = (*X.shape[:-1], X.shape[-2])
     for step, (a, b, c) in enumerate(coefficients):
         if gram is None:
