@@ -48,8 +48,13 @@ MUON_VECTOR_CLONES void load_block(float* __restrict__ out, const uint8_t* __res
 
 MUON_VECTOR_CLONES void store_bfloat16(uint16_t* __restrict__ stored, const float* __restrict__ values,
                                        int64_t begin, int64_t end, const Salt& salt) {
-  for (int64_t j = begin; j < end; ++j) {
-    stored[j] = muon_rounding::bfloat16_bits_rounded(values[j], salt.bits(j));
+  uint32_t bits[kRoundedBlock];
+  for (int64_t first = begin; first < end; first += kRoundedBlock) {
+    const int64_t length = std::min(kRoundedBlock, end - first);
+    salt.fill(bits, first, length);
+    for (int64_t t = 0; t < length; ++t) {
+      stored[first + t] = muon_rounding::bfloat16_bits_rounded(values[first + t], bits[t]);
+    }
   }
 }
 

@@ -31,8 +31,18 @@ struct Salt {
   const int64_t* positions;  // null: the entry's index plus position_offset
   int64_t position_offset;
 
-  uint32_t bits(int64_t j) const {
-    return muon_rounding::random_bits(positions == nullptr ? position_offset + j : positions[j], rounding_count);
+  // The bits of entries [first, first + length), length <= kRoundedBlock: one loop per source of the index, as a
+  // choice inside the loop would keep it from vectorizing.
+  C10_ALWAYS_INLINE void fill(uint32_t* __restrict__ bits, int64_t first, int64_t length) const {
+    if (positions == nullptr) {
+      for (int64_t t = 0; t < length; ++t) {
+        bits[t] = muon_rounding::random_bits(position_offset + first + t, rounding_count);
+      }
+    } else {
+      for (int64_t t = 0; t < length; ++t) {
+        bits[t] = muon_rounding::random_bits(positions[first + t], rounding_count);
+      }
+    }
   }
 };
 
@@ -49,15 +59,7 @@ C10_ALWAYS_INLINE void store_block(int8_t* __restrict__ codes, float* __restrict
   }
   const float largest = muon_rounding::bits_float(largest_bits);
   uint32_t bits[kRoundedBlock];
-  if (salt.positions == nullptr) {
-    for (int64_t t = 0; t < length; ++t) {
-      bits[t] = muon_rounding::random_bits(salt.position_offset + first + t, salt.rounding_count);
-    }
-  } else {
-    for (int64_t t = 0; t < length; ++t) {
-      bits[t] = muon_rounding::random_bits(salt.positions[first + t], salt.rounding_count);
-    }
-  }
+  salt.fill(bits, first, length);
   int8_t* __restrict__ block = codes + first;
   if (kind == MomentCode::kLinear) {
     const float new_scale = largest / muon_rounding::kLinearMax;

@@ -21,7 +21,9 @@ namespace {
 using muon_cpu::Lerp;
 using muon_cpu::store;
 
-// What every entry's step needs besides its own values: the lerps, Nesterov, and the salt of the random bits.
+// What every entry's step needs besides its own values: the lerps, Nesterov, and the salt of the random bits. The
+// loops take it by value: through a reference GCC reloads its fields after each store (the stores might alias them),
+// which kept the bfloat16 loop scalar, 3x slower.
 struct StepRule {
   Lerp<float> toward_grad;
   Lerp<float> toward_buffer;
@@ -42,10 +44,16 @@ struct StepRule {
 template <typename grad_t, typename update_t>
 MUON_VECTOR_CLONES void step_bfloat16_range(uint16_t* __restrict__ buffer, const grad_t* __restrict__ grad,
                                             update_t* __restrict__ update, int64_t begin, int64_t end,
-                                            const StepRule& rule) {
-  for (int64_t j = begin; j < end; ++j) {
-    const float stored = c10::bit_cast<float>(static_cast<uint32_t>(buffer[j]) << 16);
-    buffer[j] = muon_rounding::bfloat16_bits_rounded(rule.step(stored, grad[j], update + j), rule.salt.bits(j));
+                                            const StepRule rule) {
+  uint32_t bits[kRoundedBlock];
+  for (int64_t first = begin; first < end; first += kRoundedBlock) {
+    const int64_t length = std::min(kRoundedBlock, end - first);
+    rule.salt.fill(bits, first, length);
+    for (int64_t t = 0; t < length; ++t) {
+      const int64_t j = first + t;
+      const float stored = c10::bit_cast<float>(static_cast<uint32_t>(buffer[j]) << 16);
+      buffer[j] = muon_rounding::bfloat16_bits_rounded(rule.step(stored, grad[j], update + j), bits[t]);
+    }
   }
 }
 
@@ -53,7 +61,7 @@ MUON_VECTOR_CLONES void step_bfloat16_range(uint16_t* __restrict__ buffer, const
 template <typename grad_t, typename update_t>
 MUON_VECTOR_CLONES void step_int8_block(int8_t* __restrict__ codes, float* __restrict__ scale,
                                         const grad_t* __restrict__ grad, update_t* __restrict__ update, int64_t first,
-                                        int64_t length, const StepRule& rule) {
+                                        int64_t length, const StepRule rule) {
   float momentum[kRoundedBlock];
   for (int64_t t = 0; t < length; ++t) {
     const int64_t j = first + t;
