@@ -270,6 +270,39 @@ void checked_symmetric_gram(at::Tensor& out, const at::Tensor& X, const std::opt
   impl(out, X, C, alpha, beta);
 }
 
+void check_apply_update_args(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
+                             const at::Tensor& step_sizes) {
+  const auto count = static_cast<int64_t>(params.size());
+  TORCH_CHECK_VALUE(updates.size() == params.size(), "apply_update_: updates has ", updates.size(),
+                    " tensors but params has ", count);
+  for (const auto& [name, tensor] : {std::pair{"decay", decay}, std::pair{"step_sizes", step_sizes}}) {
+    TORCH_CHECK_VALUE(tensor.scalar_type() == at::kDouble && tensor.dim() == 1 && tensor.numel() == count &&
+                          tensor.is_contiguous() && tensor.is_cpu(),
+                      "apply_update_: ", name, " must be a contiguous float64 CPU tensor of shape (", count, "), got ",
+                      tensor.scalar_type(), " of shape ", tensor.sizes(), " on ", tensor.device());
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (const auto& [name, tensor] : {std::pair{"params", params[i]}, std::pair{"updates", updates[i]}}) {
+      TORCH_CHECK_VALUE(tensor.device() == params[0].device(), "apply_update_: ", name, "[", i, "] is on ",
+                        tensor.device(), " but params[0] is on ", params[0].device());
+      TORCH_CHECK_VALUE(is_supported_dtype(tensor.scalar_type()), "apply_update_: ", name, "[", i, "] has dtype ",
+                        tensor.scalar_type(), " (expected float32, float64, bfloat16 or float16)");
+      TORCH_CHECK_VALUE(tensor.is_contiguous(), "apply_update_: ", name, "[", i, "] must be contiguous");
+    }
+    TORCH_CHECK_VALUE(updates[i].sizes() == params[i].sizes(), "apply_update_: updates[", i, "] has shape ",
+                      updates[i].sizes(), " but params[", i, "] has shape ", params[i].sizes());
+    TORCH_CHECK_VALUE(!share_memory(params[i], updates[i]), "apply_update_: updates[", i, "] shares memory with params[",
+                      i, "]");
+  }
+}
+
+template <ApplyUpdateImpl impl>
+void checked_apply_update(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
+                          const at::Tensor& step_sizes) {
+  check_apply_update_args(params, updates, decay, step_sizes);
+  impl(params, updates, decay, step_sizes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
@@ -293,7 +326,10 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "store_moment_(Tensor(a!) stored, Tensor(b!)? scales, Tensor values, Tensor rounding_count, Tensor? positions, "
       "int position_offset, Tensor taken, str code) -> ()");
+  // params[i] <- params[i] * decay[i] + step_sizes[i] * updates[i], rounded after the decay and after the add.
+  ops.def("apply_update_(Tensor(a!)[] params, Tensor[] updates, Tensor decay, Tensor step_sizes) -> ()");
 #if defined(CPU_KERNEL)
+  ops.impl("apply_update_", c10::DeviceType::CPU, &checked_apply_update<&apply_update_cpu>);
   ops.impl("muon_momentum_", c10::DeviceType::CPU, &checked_muon_momentum<&muon_momentum_cpu>);
   ops.impl("muon_momentum_rounded_", c10::DeviceType::CPU,
            &checked_muon_momentum_rounded<&muon_momentum_rounded_cpu>);

@@ -81,3 +81,11 @@ using FiniteFlagsImpl = void (*)(at::TensorList tensors, const at::Tensor& finit
 void finite_flags_cpu(at::TensorList tensors, const at::Tensor& finite);
 
 void finite_flags_cuda(at::TensorList tensors, const at::Tensor& finite);
+
+// params[i] <- params[i] * decay[i] then <- params[i] + step_sizes[i] * updates[i], each rounded to the parameter's
+// dtype (decay and step_sizes: float64, one per parameter, on the host); updates[i] of any supported dtype.
+using ApplyUpdateImpl = void (*)(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
+                                 const at::Tensor& step_sizes);
+
+void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
+                      const at::Tensor& step_sizes);

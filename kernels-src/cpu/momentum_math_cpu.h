@@ -1,5 +1,6 @@
 #pragma once
-// The element math both CPU momentum kernels share: torch.lerp's formula and the stores that round to a dtype.
+// The element math the CPU momentum and update kernels share: torch.lerp's formula, and the loads and stores that
+// widen from and round to a dtype.
 #include <cstdint>
 
 #include <ATen/OpMathType.h>
@@ -26,6 +27,18 @@ struct Lerp {
   bool from_start;
   opmath_t coefficient;
 };
+
+// value in its opmath type.
+template <typename T>
+C10_ALWAYS_INLINE at::opmath_type<T> widen(T value) {
+  return static_cast<at::opmath_type<T>>(value);
+}
+
+// bfloat16 from its raw bits: c10::BFloat16's conversion goes through memcpy, which GCC does not vectorize.
+template <>
+C10_ALWAYS_INLINE float widen<c10::BFloat16>(c10::BFloat16 value) {
+  return c10::bit_cast<float>(static_cast<uint32_t>(value.x) << 16);
+}
 
 // Rounds value to T, stores it, and returns the stored value widened back (what a later reader of *dst sees).
 template <typename T, typename opmath_t>

@@ -69,15 +69,6 @@ def decay_factors(skipped: Tensor, lr: LearningRate, weight_decay: float, dtype:
     return factors.masked_fill(skipped, 1.0)
 
 
-def add_scaled_(param: Tensor, update: Tensor, step_size: LearningRate) -> None:
-    """param += step_size * update in one pass, converting the update's dtype on the fly (a foreach add would first
-    copy it to the parameter's dtype); a tensor step size is multiplied in on the device."""
-    if isinstance(step_size, Tensor):
-        param.addcmul_(update, step_size.to(param.device))
-    else:
-        param.add_(update, alpha=step_size)
-
-
 @dataclass
 class MuonTensors:
     """One Muon parameter with what its update needs."""
@@ -185,8 +176,6 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         skipped = finite.eq(0)
         for item, was_skipped in zip(bucket, skipped.unbind()):
             item.nonfinite_skips.add_(was_skipped)
-        if weight_decay != 0:
-            torch._foreach_mul_(params, list(decay_factors(skipped, lr, weight_decay, params[0].dtype).unbind()))
         updates = [item.view.from_matrices(part, item.param.shape)
                    for item, part in zip(bucket, orthogonal.split(batches))]
         rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
@@ -197,10 +186,12 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
                                 [item.second_moment for item in bucket], [item.update_step for item in bucket],
                                 skipped, [item.view for item in bucket], normalization, normalization_beta,
                                 orthogonalizer.eps, bias_correction=not rms_rule)
+        step_sizes = []
         for item, update in zip(bucket, updates):
             rms_scale = rms_rule_scale(sum_of_squares(update), item.view, orthogonalizer.eps) if rms_rule else None
-            add_scaled_(item.param, update, -update_step_size(lr, adjust_lr_fn, item.view, normalize_spatial,
-                                                              rms_scale))
+            step_sizes.append(-update_step_size(lr, adjust_lr_fn, item.view, normalize_spatial, rms_scale))
+        decay = decay_factors(skipped, lr, weight_decay, params[0].dtype) if weight_decay != 0 else None
+        native.apply_update_(params, updates, decay, step_sizes)
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""The compiled ops of this build variant: `muon_momentum_`, `muon_momentum_rounded_`, `load_moment`, `store_moment_`
-and `finite_flags`, each with a pure-PyTorch fallback of the same semantics when it is absent, and `symmetric_gram_`, which exists only compiled (callers check
-has_compiled_symmetric_gram).
+"""The compiled ops of this build variant: `muon_momentum_`, `muon_momentum_rounded_`, `load_moment`, `store_moment_`,
+`finite_flags` and `apply_update_`, each with a pure-PyTorch fallback of the same semantics when it is absent, and
+`symmetric_gram_`, which exists only compiled (callers check has_compiled_symmetric_gram).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
 """
@@ -30,7 +30,9 @@ _SYMMETRIC_GRAM_OP = "symmetric_gram_"
 _FINITE_FLAGS_OP = "finite_flags_"
 _LOAD_MOMENT_OP = "load_moment_"
 _STORE_MOMENT_OP = "store_moment_"
-_OPS = (_MOMENTUM_OP, _ROUNDED_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP, _LOAD_MOMENT_OP, _STORE_MOMENT_OP)
+_APPLY_UPDATE_OP = "apply_update_"
+_OPS = (_MOMENTUM_OP, _ROUNDED_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP, _LOAD_MOMENT_OP, _STORE_MOMENT_OP,
+        _APPLY_UPDATE_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -183,6 +185,39 @@ def store_moment_(key: str, stored: Tensor, scales: Tensor | None, values: Tenso
         positions = torch.arange(position_offset, position_offset + values.numel(), device=values.device)
         positions = positions.view(values.shape)
     write_rounded_(key, stored, scales, values, rounding_count, taken.reshape(()), positions)
+
+
+def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None,
+                  step_sizes: Sequence[float | Tensor]) -> None:
+    """params[i] <- params[i] * decay[i], then <- params[i] + step_sizes[i] * updates[i], each rounded to the
+    parameter's dtype: `_foreach_mul_` then `add_`, the update converted to the parameter's dtype as it is read.
+    `decay`: (N,) factors in the parameters' dtype on their device, or None (no decay); a step size is a number or
+    a one-element tensor.
+
+    The compiled op serves CPU parameters outside torch.compile, one pass per parameter: there torch's add_ first
+    copies an update of another dtype to the parameter's (a bfloat16 update of a float32 768 x 3072 parameter: a
+    fresh float32 copy, then the add, then the decay's own pass). Elsewhere, and for strided tensors, the torch ops."""
+    params, updates = list(params), list(updates)
+    device = params[0].device if params else torch.device("cpu")
+    compiled = _compiled_op(_APPLY_UPDATE_OP, device.type) if not torch.compiler.is_compiling() else None
+    if compiled is not None and all(param.is_contiguous() and update.is_contiguous() and param.shape == update.shape
+                                    for param, update in zip(params, updates)):
+        factors = torch.ones(len(params), dtype=torch.float64) if decay is None else decay.to(torch.float64)
+        compiled(params, updates, factors, torch.tensor([float(step) for step in step_sizes], dtype=torch.float64))
+        return
+    if decay is not None:
+        torch._foreach_mul_(params, list(decay.unbind()))
+    for param, update, step in zip(params, updates, step_sizes):
+        _add_scaled_(param, update, step)
+
+
+def _add_scaled_(param: Tensor, update: Tensor, step_size: float | Tensor) -> None:
+    """param += step_size * update, the update converted to the parameter's dtype as it is read; a tensor step size
+    is multiplied in on the device."""
+    if isinstance(step_size, Tensor):
+        param.addcmul_(update, step_size.to(param.device))
+    else:
+        param.add_(update, alpha=step_size)
 
 
 def finite_flags(tensors: Sequence[Tensor]) -> Tensor:

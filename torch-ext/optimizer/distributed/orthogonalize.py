@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..functional import LearningRate, add_scaled_, decay_factors
+from .. import native
+from ..functional import LearningRate, decay_factors
 from ..newton_schulz import Orthogonalizer
 from ..routing import MatrixView
 
@@ -42,6 +43,5 @@ def apply_update(param: Tensor, update: Tensor, finite: Tensor, nonfinite_skips:
     nonfinite_skips.add_(skipped)
     if param.numel() == 0:
         return
-    if weight_decay != 0:
-        param.mul_(decay_factors(skipped, lr, weight_decay, param.dtype))
-    add_scaled_(param, update, -step_size)
+    decay = decay_factors(skipped.reshape(1), lr, weight_decay, param.dtype) if weight_decay != 0 else None
+    native.apply_update_([param], [update], decay, [-step_size])

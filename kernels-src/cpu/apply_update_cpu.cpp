@@ -1,0 +1,54 @@
+// The last write of a Muon step on the CPU: each parameter decayed and moved by its scaled update in one parallel
+// pass, the update's dtype converted on the fly. torch's CPU add_ first copies an update of another dtype to the
+// parameter's (a bfloat16 update to a float32 parameter: a fresh float32 copy, faulted in, for each matrix).
+#include <cmath>
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include "finite_cpu.h"
+#include "momentum_math_cpu.h"
+
+namespace {
+
+using muon_cpu::kGrainSize;
+using muon_cpu::store;
+
+// param <- param * decay, rounded to its dtype, then <- param + step * update, rounded again: what `mul_` then
+// `add_(update, alpha=step)` compute, the second with one fused multiply-add as torch's vectorized add does. Written
+// as std::fma, not left to contraction, which could as well fuse the decay's product and skip its rounding; the
+// x86-64-v3 clone vectorizes it, the baseline clone calls libm's (CPUs without FMA units, from before 2013).
+template <typename param_t, typename update_t>
+MUON_VECTOR_CLONES void apply_range(param_t* __restrict__ param, const update_t* __restrict__ update, int64_t count,
+                                    at::opmath_type<param_t> decay, at::opmath_type<param_t> step) {
+  using opmath_t = at::opmath_type<param_t>;
+  for (int64_t j = 0; j < count; ++j) {
+    const opmath_t decayed = store(param + j, static_cast<opmath_t>(param[j]) * decay);
+    store(param + j, std::fma(step, static_cast<opmath_t>(muon_cpu::widen(update[j])), decayed));
+  }
+}
+
+}  // namespace
+
+void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
+                      const at::Tensor& step_sizes) {
+  const double* decays = decay.const_data_ptr<double>();
+  const double* steps = step_sizes.const_data_ptr<double>();
+  for (size_t i = 0; i < params.size(); ++i) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[i].scalar_type(), "apply_update_cpu", [&] {
+      using param_t = scalar_t;
+      using opmath_t = at::opmath_type<param_t>;
+      auto* param = params[i].mutable_data_ptr<param_t>();
+      const auto factor = static_cast<opmath_t>(decays[i]);
+      const auto step = static_cast<opmath_t>(steps[i]);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, updates[i].scalar_type(), "apply_update_cpu", [&] {
+        const auto* update = updates[i].const_data_ptr<scalar_t>();
+        at::parallel_for(0, params[i].numel(), kGrainSize, [&](int64_t begin, int64_t end) {
+          apply_range(param + begin, update + begin, end - begin, factor, step);
+        });
+      });
+    });
+  }
+}
