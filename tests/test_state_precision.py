@@ -206,6 +206,22 @@ def test_a_constant_small_gradient_keeps_moving_the_momentum() -> None:
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
+def test_adamw_in_small_chunks_equals_adamw_in_one(state_dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The AdamW moments are stepped ROUNDED_CHUNK entries at a time (whole lines of 8-bit codes): the random bits
+    # follow each entry's index, so where the chunks end changes nothing. Every chunk here is a multiple of 64
+    # entries (2 lines of 320, or 704 entries), as torch's fused AdamW rounds its vector body and its scalar tail
+    # differently (a fused multiply-add or not).
+    start = torch.randn(8, 320)
+    whole = train(start.clone(), 3, state_dtype=state_dtype)
+    monkeypatch.setattr(submodule(optimizer, "functional"), "ROUNDED_CHUNK", 704)
+    chunked = train(start.clone(), 3, state_dtype=state_dtype)
+    for p, q in zip(all_params(whole), all_params(chunked)):
+        assert torch.equal(p, q)
+        for key, value in whole.state[p].items():
+            assert torch.equal(chunked.state[q][key], value), key
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
 def test_a_nonfinite_gradient_changes_no_state(state_dtype) -> None:
     param = torch.randn(12, 16)
     opt = train(param, 2, state_dtype=state_dtype)
