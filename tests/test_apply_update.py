@@ -72,15 +72,30 @@ def test_within_two_roundings_of_float64(native, dtype: torch.dtype, update_dtyp
         assert ((param.double() - expected).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("update_dtype", UPDATE_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(70, 130), (3, 65, 33), (1, 200)], ids=str)
+def test_a_transposed_update_equals_the_composition(native, shape: tuple, update_dtype: torch.dtype) -> None:
+    # A tall matrix's Newton-Schulz result is the transpose of a contiguous batch; the op reads it in tiles of 64
+    # (sizes here leave partial tiles on both sides, and a batch of three matrices).
+    generator = torch.Generator().manual_seed(2)
+    params = [torch.randn(shape, generator=generator)]
+    updates = [torch.randn((*shape[:-2], shape[-1], shape[-2]), generator=generator).to(update_dtype).mT]
+    expected = [params[0].clone()]
+    decay = torch.tensor([0.75])
+    _torch_composition(expected, [updates[0].contiguous()], decay, [-0.3])
+    native.apply_update_(params, updates, decay, [-0.3])
+    assert torch.equal(params[0], expected[0])
+
+
 def test_strided_and_mixed_tensors_take_the_torch_ops(native) -> None:
-    # A transposed parameter (a conv or a column view) cannot take the compiled op's flat pass: the whole call falls
-    # back, and still computes the composition.
-    params = [torch.randn(5, 3).t(), torch.randn(4)]
-    updates = [torch.randn(3, 5), torch.randn(4)]
+    # A transposed parameter, or an update strided otherwise than by a transpose, cannot take the compiled op: those
+    # pairs take the torch ops, the others the op, and all compute the composition.
+    params = [torch.randn(5, 3).t(), torch.randn(4), torch.randn(6, 4)]
+    updates = [torch.randn(3, 5), torch.randn(4), torch.randn(6, 8)[:, ::2]]
     expected = [param.clone() for param in params]
-    decay = torch.tensor([0.5, 0.25])
-    _torch_composition(expected, updates, decay, [-1.0, 2.0])
-    native.apply_update_(params, updates, decay, [-1.0, 2.0])
+    decay = torch.tensor([0.5, 0.25, 0.125])
+    _torch_composition(expected, updates, decay, [-1.0, 2.0, 4.0])
+    native.apply_update_(params, updates, decay, [-1.0, 2.0, 4.0])
     for param, reference in zip(params, expected):
         assert torch.equal(param, reference)
 
@@ -106,6 +121,8 @@ def _bad_calls() -> list[tuple[str, tuple, str]]:
         ("update shape", ([t(3)], [t(4)], factors, factors), r"updates\[0\] has shape"),
         ("unsupported dtype", ([t(3, dtype=torch.int32)], [t(3)], factors, factors), r"params\[0\] has dtype"),
         ("non-contiguous", ([t(4, 3).t()], [t(3, 4)], factors, factors), r"params\[0\] must be contiguous"),
+        ("strided update", ([t(3, 4)], [t(3, 8)[:, ::2]], factors, factors),
+         r"updates\[0\] must be contiguous or the transpose"),
         ("aliasing", ([shared[:3]], [shared[2:5]], factors, factors), r"updates\[0\] shares memory"),
     ]
 

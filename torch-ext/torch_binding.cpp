@@ -287,8 +287,11 @@ void check_apply_update_args(at::TensorList params, at::TensorList updates, cons
                         tensor.device(), " but params[0] is on ", params[0].device());
       TORCH_CHECK_VALUE(is_supported_dtype(tensor.scalar_type()), "apply_update_: ", name, "[", i, "] has dtype ",
                         tensor.scalar_type(), " (expected float32, float64, bfloat16 or float16)");
-      TORCH_CHECK_VALUE(tensor.is_contiguous(), "apply_update_: ", name, "[", i, "] must be contiguous");
     }
+    TORCH_CHECK_VALUE(params[i].is_contiguous(), "apply_update_: params[", i, "] must be contiguous");
+    TORCH_CHECK_VALUE(updates[i].is_contiguous() || (updates[i].dim() >= 2 && updates[i].mT().is_contiguous()),
+                      "apply_update_: updates[", i, "] must be contiguous or the transpose of a contiguous tensor "
+                      "(its last two dims swapped)");
     TORCH_CHECK_VALUE(updates[i].sizes() == params[i].sizes(), "apply_update_: updates[", i, "] has shape ",
                       updates[i].sizes(), " but params[", i, "] has shape ", params[i].sizes());
     TORCH_CHECK_VALUE(!share_memory(params[i], updates[i]), "apply_update_: updates[", i, "] shares memory with params[",

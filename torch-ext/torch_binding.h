@@ -83,7 +83,8 @@ void finite_flags_cpu(at::TensorList tensors, const at::Tensor& finite);
 void finite_flags_cuda(at::TensorList tensors, const at::Tensor& finite);
 
 // params[i] <- params[i] * decay[i] then <- params[i] + step_sizes[i] * updates[i], each rounded to the parameter's
-// dtype (decay and step_sizes: float64, one per parameter, on the host); updates[i] of any supported dtype.
+// dtype (decay and step_sizes: float64, one per parameter, on the host); updates[i] of any supported dtype,
+// contiguous or the transpose of a contiguous tensor (its last two dims swapped).
 using ApplyUpdateImpl = void (*)(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
                                  const at::Tensor& step_sizes);
 

@@ -1,6 +1,7 @@
 // The last write of a Muon step on the CPU: each parameter decayed and moved by its scaled update in one parallel
-// pass, the update's dtype converted on the fly. torch's CPU add_ first copies an update of another dtype to the
+// pass, the update's dtype converted on the fly, and a transposed update read tile by tile. torch's CPU add_ first copies an update of another dtype to the
 // parameter's (a bfloat16 update to a float32 parameter: a fresh float32 copy, faulted in, for each matrix).
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/Dispatch.h>
@@ -30,6 +31,45 @@ MUON_VECTOR_CLONES void apply_range(param_t* __restrict__ param, const update_t*
   }
 }
 
+// Tiles of a transposed update (a tall matrix's Newton-Schulz result, computed on its transpose): read along its
+// own rows into a float tile, then applied along the parameter's rows, so both sides stream through memory. A
+// 3072 x 768 bf16 update took 1.5 ms to copy into the parameter's layout, then 0.7 to add (2-core Xeon).
+constexpr int64_t kTile = 64;
+
+struct TransposedTiles {
+  int64_t rows;  // of the parameter's matrices; the update holds each matrix as (cols, rows), contiguous
+  int64_t cols;
+  int64_t row_tiles;
+  int64_t col_tiles;
+
+  TransposedTiles(int64_t rows, int64_t cols)
+      : rows(rows), cols(cols), row_tiles((rows + kTile - 1) / kTile), col_tiles((cols + kTile - 1) / kTile) {}
+
+  int64_t per_matrix() const { return row_tiles * col_tiles; }
+};
+
+template <typename param_t, typename update_t>
+void apply_transposed_tile(param_t* param, const update_t* update, const TransposedTiles& tiles, int64_t tile,
+                           at::opmath_type<param_t> decay, at::opmath_type<param_t> step) {
+  using opmath_t = at::opmath_type<param_t>;
+  const int64_t matrix = tile / tiles.per_matrix(), within = tile % tiles.per_matrix();
+  const int64_t first_row = within / tiles.col_tiles * kTile, first_col = within % tiles.col_tiles * kTile;
+  const int64_t row_count = std::min(kTile, tiles.rows - first_row);
+  const int64_t col_count = std::min(kTile, tiles.cols - first_col);
+  param += matrix * tiles.rows * tiles.cols;
+  update += matrix * tiles.rows * tiles.cols;
+  opmath_t values[kTile][kTile];
+  for (int64_t col = 0; col < col_count; ++col) {
+    const update_t* source = update + (first_col + col) * tiles.rows + first_row;
+    for (int64_t row = 0; row < row_count; ++row) {
+      values[row][col] = static_cast<opmath_t>(muon_cpu::widen(source[row]));
+    }
+  }
+  for (int64_t row = 0; row < row_count; ++row) {
+    apply_range(param + (first_row + row) * tiles.cols + first_col, values[row], col_count, decay, step);
+  }
+}
+
 }  // namespace
 
 void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
@@ -45,8 +85,19 @@ void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::T
       const auto step = static_cast<opmath_t>(steps[i]);
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, updates[i].scalar_type(), "apply_update_cpu", [&] {
         const auto* update = updates[i].const_data_ptr<scalar_t>();
-        at::parallel_for(0, params[i].numel(), kGrainSize, [&](int64_t begin, int64_t end) {
-          apply_range(param + begin, update + begin, end - begin, factor, step);
+        if (updates[i].is_contiguous()) {
+          at::parallel_for(0, params[i].numel(), kGrainSize, [&](int64_t begin, int64_t end) {
+            apply_range(param + begin, update + begin, end - begin, factor, step);
+          });
+          return;
+        }
+        const TransposedTiles tiles(params[i].size(-2), params[i].size(-1));
+        const int64_t matrices = params[i].numel() / (tiles.rows * tiles.cols);
+        at::parallel_for(0, matrices * tiles.per_matrix(), kGrainSize / (kTile * kTile), [&](int64_t begin,
+                                                                                             int64_t end) {
+          for (int64_t tile = begin; tile < end; ++tile) {
+            apply_transposed_tile(param, update, tiles, tile, factor, step);
+          }
         });
       });
     });

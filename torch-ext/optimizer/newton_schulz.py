@@ -135,11 +135,6 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
             X, gram = aol_scaled(X, symmetric_gram(X, backend), eps)
             buffers.adopt("X1", X)
         X = _standard_iteration(X, gram, coefficients, backend, buffers)
-    if tall and overwrite_input and X.ndim == 3 and X.dtype == G.dtype:
-        # Back in G's layout (G is free by now): the caller adds each matrix to a parameter of that layout, and on
-        # a CPU adding a transposed 768 x 3072 bf16 update to its float32 parameter took 7.5 ms against 1.5 ms for
-        # this (blocked) transposition and 0.7 ms for the contiguous add (2-core Xeon).
-        return G.copy_(X.mT)
     return X.mT if tall else X
 
 
