@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_under_test import optimizer, submodule
+from kernel_under_test import load_fallback_variant, optimizer, submodule
 
 Muon = optimizer.Muon
 state_precision = submodule(optimizer, "state_precision")
@@ -207,18 +207,28 @@ def test_a_constant_small_gradient_keeps_moving_the_momentum() -> None:
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
 def test_adamw_in_small_chunks_equals_adamw_in_one(state_dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The AdamW moments are stepped ROUNDED_CHUNK entries at a time (whole lines of 8-bit codes): the random bits
-    # follow each entry's index, so where the chunks end changes nothing. Every chunk here is a multiple of 64
-    # entries (2 lines of 320, or 704 entries), as torch's fused AdamW rounds its vector body and its scalar tail
-    # differently (a fused multiply-add or not).
+    # Without the compiled `adamw_rounded_` (the fallback build; GPUs) the AdamW moments are stepped ROUNDED_CHUNK
+    # entries at a time (whole lines of 8-bit codes): the random bits follow each entry's index, so where the chunks
+    # end changes nothing. Every chunk here is a multiple of 64 entries (2 lines of 320, or 704 entries), as torch's
+    # fused AdamW rounds its vector body and its scalar tail differently (a fused multiply-add or not).
+    fallback = load_fallback_variant()
     start = torch.randn(8, 320)
-    whole = train(start.clone(), 3, state_dtype=state_dtype)
-    monkeypatch.setattr(submodule(optimizer, "functional"), "ROUNDED_CHUNK", 704)
-    chunked = train(start.clone(), 3, state_dtype=state_dtype)
-    for p, q in zip(all_params(whole), all_params(chunked)):
-        assert torch.equal(p, q)
-        for key, value in whole.state[p].items():
-            assert torch.equal(chunked.state[q][key], value), key
+
+    def trained() -> tuple[torch.Tensor, dict]:
+        param = start.clone()
+        opt = fallback.Muon([dict(params=[param], use_muon=False)], lr=0.02, state_dtype=state_dtype)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            param.grad = torch.randn(param.shape, generator=generator)
+            opt.step()
+        return param, opt.state[param]
+
+    whole, whole_state = trained()
+    monkeypatch.setattr(submodule(fallback, "functional"), "ROUNDED_CHUNK", 704)
+    chunked, chunked_state = trained()
+    assert torch.equal(whole, chunked)
+    for key, value in whole_state.items():
+        assert torch.equal(chunked_state[key], value), key
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])

@@ -127,29 +127,37 @@ MomentCode moment_code(c10::string_view name) {
   return MomentCode::kE4m3Root;
 }
 
-// The stored form and its scales (shared by load_moment_ and store_moment_): `op` names the op for the messages.
-void check_stored_moment(const char* op, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
-                         const at::Tensor& values, MomentCode code) {
+// A stored moment of `sizes` on `device` and its scales (shared by load_moment_, store_moment_ and adamw_rounded_):
+// `op` names the op for the messages.
+void check_stored_form(const char* op, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
+                       c10::IntArrayRef sizes, c10::Device device, MomentCode code) {
   const bool quantized = code != MomentCode::kBFloat16;
   TORCH_CHECK_VALUE(stored.scalar_type() == (quantized ? at::kChar : at::kBFloat16), op, ": stored has dtype ",
                     stored.scalar_type(), " but its code needs ", quantized ? "int8" : "bfloat16");
-  TORCH_CHECK_VALUE(stored.is_contiguous() && stored.device() == values.device(), op,
-                    ": stored must be contiguous and on ", values.device());
-  TORCH_CHECK_VALUE(values.scalar_type() == at::kFloat && values.is_contiguous() && values.sizes() == stored.sizes(),
-                    op, ": the float32 values must be contiguous of shape ", stored.sizes(), ", got ",
-                    values.scalar_type(), " of shape ", values.sizes());
+  TORCH_CHECK_VALUE(stored.is_contiguous() && stored.device() == device && stored.sizes() == sizes, op,
+                    ": stored must be contiguous, of shape ", sizes, " and on ", device, ", got shape ",
+                    stored.sizes(), " on ", stored.device());
   TORCH_CHECK_VALUE(scales.has_value() == quantized, op, ": scales must be ",
                     quantized ? "given for int8 codes" : "None for a bfloat16 moment");
   if (quantized) {
     TORCH_CHECK_VALUE(stored.dim() >= 1, op, ": int8 codes need at least one dim, got a 0-dim tensor");
     std::vector<int64_t> expected(stored.sizes().begin(), stored.sizes().end());
     expected.back() = (expected.back() + kRoundedBlock - 1) / kRoundedBlock;
-    TORCH_CHECK_VALUE(scales->scalar_type() == at::kFloat && scales->device() == values.device() &&
+    TORCH_CHECK_VALUE(scales->scalar_type() == at::kFloat && scales->device() == device &&
                           scales->is_contiguous() && scales->sizes() == c10::IntArrayRef(expected),
                       op, ": scales must be a contiguous float32 tensor of shape ", c10::IntArrayRef(expected), " on ",
-                      values.device(), ", got ", scales->scalar_type(), " of shape ", scales->sizes(), " on ",
+                      device, ", got ", scales->scalar_type(), " of shape ", scales->sizes(), " on ",
                       scales->device());
   }
+}
+
+// load_moment_'s and store_moment_'s: the stored form and the float32 values it is read into or written from.
+void check_stored_moment(const char* op, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
+                         const at::Tensor& values, MomentCode code) {
+  TORCH_CHECK_VALUE(values.scalar_type() == at::kFloat && values.is_contiguous() && values.sizes() == stored.sizes(),
+                    op, ": the float32 values must be contiguous of shape ", stored.sizes(), ", got ",
+                    values.scalar_type(), " of shape ", values.sizes());
+  check_stored_form(op, stored, scales, values.sizes(), values.device(), code);
 }
 
 template <LoadMomentImpl impl>
@@ -306,6 +314,54 @@ void checked_apply_update(at::TensorList params, at::TensorList updates, const a
   impl(params, updates, decay, step_sizes);
 }
 
+void check_adamw_rounded_args(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                              const std::optional<at::Tensor>& exp_avg_scales, const at::Tensor& exp_avg_sq,
+                              const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
+                              const std::optional<at::Tensor>& positions, const at::Tensor& step, double beta1,
+                              double beta2) {
+  const char* op = "adamw_rounded_";
+  for (const auto& [name, tensor] : {std::pair{"param", param}, std::pair{"grad", grad}}) {
+    TORCH_CHECK_VALUE(is_supported_dtype(tensor.scalar_type()), op, ": ", name, " has dtype ", tensor.scalar_type(),
+                      " (expected float32, float64, bfloat16 or float16)");
+    TORCH_CHECK_VALUE(tensor.is_contiguous() && tensor.sizes() == param.sizes() && tensor.device() == param.device(),
+                      op, ": ", name, " must be contiguous, of shape ", param.sizes(), " and on ", param.device());
+  }
+  TORCH_CHECK_VALUE(exp_avg.scalar_type() == exp_avg_sq.scalar_type() &&
+                        exp_avg_scales.has_value() == exp_avg_sq_scales.has_value(),
+                    op, ": exp_avg and exp_avg_sq must be stored in the same form");
+  const MomentCode code = exp_avg_scales.has_value() ? MomentCode::kE4m3 : MomentCode::kBFloat16;
+  for (const auto& [stored, scales] : {std::pair{exp_avg, exp_avg_scales}, std::pair{exp_avg_sq, exp_avg_sq_scales}}) {
+    check_stored_form(op, stored, scales, param.sizes(), param.device(), code);
+  }
+  TORCH_CHECK_VALUE(rounding_count.scalar_type() == at::kLong && rounding_count.numel() == 1 &&
+                        rounding_count.device() == param.device(),
+                    op, ": rounding_count must be one int64 on ", param.device());
+  TORCH_CHECK_VALUE(step.scalar_type() == at::kFloat && step.numel() == 1 && step.device() == param.device(), op,
+                    ": step must be one float32 on ", param.device(), ", got ", step.scalar_type(), " of shape ",
+                    step.sizes());
+  if (positions.has_value()) {
+    TORCH_CHECK_VALUE(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
+                          positions->sizes() == param.sizes() && positions->device() == param.device(),
+                      op, ": positions must be a contiguous int64 tensor of shape ", param.sizes());
+  }
+  for (const auto& [name, beta] : {std::pair{"beta1", beta1}, std::pair{"beta2", beta2}}) {
+    TORCH_CHECK_VALUE(std::isfinite(beta) && beta >= 0.0 && beta < 1.0, op, ": ", name, " must be in [0, 1), got ",
+                      beta);
+  }
+}
+
+template <AdamWRoundedImpl impl>
+void checked_adamw_rounded(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+                           const std::optional<at::Tensor>& exp_avg_scales, at::Tensor& exp_avg_sq,
+                           const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
+                           const std::optional<at::Tensor>& positions, const at::Tensor& step, double lr, double beta1,
+                           double beta2, double eps, double weight_decay) {
+  check_adamw_rounded_args(param, grad, exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count,
+                           positions, step, beta1, beta2);
+  impl(param, grad, exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count, positions, step, lr, beta1,
+       beta2, eps, weight_decay);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
@@ -331,8 +387,14 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "int position_offset, Tensor taken, str code) -> ()");
   // params[i] <- params[i] * decay[i] + step_sizes[i] * updates[i], rounded after the decay and after the add.
   ops.def("apply_update_(Tensor(a!)[] params, Tensor[] updates, Tensor decay, Tensor step_sizes) -> ()");
+  // One AdamW step on moments stored in fewer bytes, read, stepped and stored back rounded in one pass.
+  ops.def(
+      "adamw_rounded_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!)? exp_avg_scales, "
+      "Tensor(d!) exp_avg_sq, Tensor(e!)? exp_avg_sq_scales, Tensor rounding_count, Tensor? positions, Tensor step, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay) -> ()");
 #if defined(CPU_KERNEL)
   ops.impl("apply_update_", c10::DeviceType::CPU, &checked_apply_update<&apply_update_cpu>);
+  ops.impl("adamw_rounded_", c10::DeviceType::CPU, &checked_adamw_rounded<&adamw_rounded_cpu>);
   ops.impl("muon_momentum_", c10::DeviceType::CPU, &checked_muon_momentum<&muon_momentum_cpu>);
   ops.impl("muon_momentum_rounded_", c10::DeviceType::CPU,
            &checked_muon_momentum_rounded<&muon_momentum_rounded_cpu>);

@@ -90,3 +90,21 @@ using ApplyUpdateImpl = void (*)(at::TensorList params, at::TensorList updates, 
 
 void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
                       const at::Tensor& step_sizes);
+
+// One AdamW step of a parameter whose moments are stored in fewer bytes, both in the same form: bfloat16 (no scales),
+// or int8 e4m3 codes with a float32 scale per block of kRoundedBlock entries along the last dim, the second moment's
+// codes holding its square root. Read, stepped in float32 with the parameter (lr, betas, eps and decoupled
+// weight_decay as torch's AdamW; *step, float32, already counts this step), and stored back rounded at random as
+// `store_moment_` does, salted by *rounding_count and each entry's position (positions, or its index). The count is
+// not moved.
+using AdamWRoundedImpl = void (*)(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+                                  const std::optional<at::Tensor>& exp_avg_scales, at::Tensor& exp_avg_sq,
+                                  const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
+                                  const std::optional<at::Tensor>& positions, const at::Tensor& step, double lr,
+                                  double beta1, double beta2, double eps, double weight_decay);
+
+void adamw_rounded_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+                       const std::optional<at::Tensor>& exp_avg_scales, at::Tensor& exp_avg_sq,
+                       const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
+                       const std::optional<at::Tensor>& positions, const at::Tensor& step, double lr, double beta1,
+                       double beta2, double eps, double weight_decay);

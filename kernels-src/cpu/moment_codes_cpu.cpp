@@ -18,18 +18,7 @@ namespace {
 using muon_cpu::Blocks;
 using muon_cpu::Salt;
 
-// The value of each of the 256 codes, indexed by the code's bits.
-struct CodeValues {
-  float of[256];
-
-  explicit CodeValues(MomentCode kind) {
-    for (int bits = 0; bits < 256; ++bits) {
-      const auto code = static_cast<uint8_t>(bits);
-      of[bits] = kind == MomentCode::kLinear ? static_cast<float>(static_cast<int8_t>(code))
-                                             : muon_rounding::e4m3_value(code);
-    }
-  }
-};
+using muon_cpu::CodeValues;
 
 MUON_VECTOR_CLONES void load_bfloat16(float* __restrict__ out, const uint16_t* __restrict__ stored, int64_t begin,
                                       int64_t end) {

@@ -1,6 +1,7 @@
 #pragma once
-// Writing a moment as int8 codes with one scale per block, shared by the CPU momentum op and `store_moment_`: where
-// each block lies, where each entry's random bits come from, and the encoding of one block.
+// Moments as int8 codes with one scale per block, shared by the CPU momentum op, `load_moment_`/`store_moment_` and
+// `adamw_rounded_`: where each block lies, where each entry's random bits come from, the codes' values, and the
+// encoding of one block.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,11 +47,25 @@ struct Salt {
   }
 };
 
+// The value of each of the 256 codes, indexed by the code's bits.
+struct CodeValues {
+  float of[256];
+
+  explicit CodeValues(MomentCode kind) {
+    for (int bits = 0; bits < 256; ++bits) {
+      const auto code = static_cast<uint8_t>(bits);
+      of[bits] = kind == MomentCode::kLinear ? static_cast<float>(static_cast<int8_t>(code))
+                                             : muon_rounding::e4m3_value(code);
+    }
+  }
+};
+
 // Codes [first, first + length) <- values[0, length) (already in coded form: the square root for kE4m3Root), with
-// the block's new scale: its largest magnitude over the largest code. One loop per stage, so each vectorizes.
+// the block's new scale: its largest magnitude over the largest code, each rounded with its random bits[0, length).
+// One loop per stage, so each vectorizes.
 C10_ALWAYS_INLINE void store_block(int8_t* __restrict__ codes, float* __restrict__ scale,
                                    const float* __restrict__ values, int64_t first, int64_t length, MomentCode kind,
-                                   const Salt& salt) {
+                                   const uint32_t* __restrict__ bits) {
   // The largest magnitude as the largest of the magnitudes' bit patterns, which order as the values do, a NaN above
   // all (so it wins, as in torch.amax): an integer max, which vectorizes where a float max with NaNs does not.
   uint32_t largest_bits = 0;
@@ -58,8 +73,6 @@ C10_ALWAYS_INLINE void store_block(int8_t* __restrict__ codes, float* __restrict
     largest_bits = std::max(largest_bits, muon_rounding::float_bits(values[t]) & 0x7FFFFFFFu);
   }
   const float largest = muon_rounding::bits_float(largest_bits);
-  uint32_t bits[kRoundedBlock];
-  salt.fill(bits, first, length);
   int8_t* __restrict__ block = codes + first;
   if (kind == MomentCode::kLinear) {
     const float new_scale = largest / muon_rounding::kLinearMax;
@@ -76,6 +89,15 @@ C10_ALWAYS_INLINE void store_block(int8_t* __restrict__ codes, float* __restrict
     block[t] = static_cast<int8_t>(muon_rounding::e4m3_code(scaled ? values[t] / divisor : 0.0f, bits[t]));
   }
   *scale = new_scale;
+}
+
+// store_block with the block's random bits drawn from `salt`.
+C10_ALWAYS_INLINE void store_block(int8_t* __restrict__ codes, float* __restrict__ scale,
+                                   const float* __restrict__ values, int64_t first, int64_t length, MomentCode kind,
+                                   const Salt& salt) {
+  uint32_t bits[kRoundedBlock];
+  salt.fill(bits, first, length);
+  store_block(codes, scale, values, first, length, kind, bits);
 }
 
 }  // namespace muon_cpu

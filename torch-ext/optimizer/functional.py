@@ -276,7 +276,13 @@ def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor, *, lr: LearningRate
         _fused_adamw_plain_([item], found_inf, **settings)
         return
     param = item.param.contiguous()  # see `_fused_adamw_plain_`
-    _fused_adamw_rounded_(item, param, found_inf, **settings)
+    if found_inf.device.type == "cpu" and not found_inf.item() and native.has_compiled_adamw_rounded("cpu"):
+        native.adamw_rounded_(param, item.grad.reshape(param.shape), item.exp_avg, item.exp_avg_scales,
+                              item.exp_avg_sq, item.exp_avg_sq_scales, item.rounding_count, item.rounding_positions,
+                              item.step, **settings)
+        advance_counts_([item.rounding_count], torch.ones(1))
+    else:
+        _fused_adamw_rounded_(item, param, found_inf, **settings)
     if param is not item.param:
         item.param.copy_(param)
 

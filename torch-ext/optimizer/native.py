@@ -1,6 +1,7 @@
 """The compiled ops of this build variant: `muon_momentum_`, `muon_momentum_rounded_`, `load_moment`, `store_moment_`,
 `finite_flags` and `apply_update_`, each with a pure-PyTorch fallback of the same semantics when it is absent, and
-`symmetric_gram_`, which exists only compiled (callers check has_compiled_symmetric_gram).
+`symmetric_gram_` and `adamw_rounded_`, which exist only compiled (callers check `has_compiled_symmetric_gram` and
+`has_compiled_adamw_rounded`).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
 """
@@ -31,8 +32,9 @@ _FINITE_FLAGS_OP = "finite_flags_"
 _LOAD_MOMENT_OP = "load_moment_"
 _STORE_MOMENT_OP = "store_moment_"
 _APPLY_UPDATE_OP = "apply_update_"
+_ADAMW_ROUNDED_OP = "adamw_rounded_"
 _OPS = (_MOMENTUM_OP, _ROUNDED_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP, _LOAD_MOMENT_OP, _STORE_MOMENT_OP,
-        _APPLY_UPDATE_OP)
+        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -92,6 +94,30 @@ def ops_summary() -> str:
 def has_compiled_symmetric_gram(device_type: str) -> bool:
     """Whether this build has a compiled `symmetric_gram_` kernel for the device type ("cpu", "cuda", ...)."""
     return _compiled_op(_SYMMETRIC_GRAM_OP, device_type) is not None
+
+
+def has_compiled_adamw_rounded(device_type: str) -> bool:
+    """Whether this build has a compiled `adamw_rounded_` kernel for the device type, usable here (not while
+    torch.compile traces)."""
+    return not torch.compiler.is_compiling() and _compiled_op(_ADAMW_ROUNDED_OP, device_type) is not None
+
+
+def adamw_rounded_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_scales: Tensor | None, exp_avg_sq: Tensor,
+                   exp_avg_sq_scales: Tensor | None, rounding_count: Tensor, positions: Tensor | None, step: Tensor,
+                   *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """One AdamW step of `param` (contiguous) whose moments are stored in fewer bytes, both bfloat16 or both "int8"
+    e4m3 codes with their block scales (`exp_avg_sq`'s holding its square root, see `state_precision`): read, stepped
+    in float32 as torch's AdamW steps them (`step`, float32, already counts this step), and stored back rounded at
+    random as `store_moment_` stores them, salted by `rounding_count` (not moved) and each entry's position. In one
+    pass, where the composition (load, torch's fused AdamW, store) takes three. Only compiled: callers check
+    `has_compiled_adamw_rounded` first."""
+    compiled = _compiled_op(_ADAMW_ROUNDED_OP, param.device.type)
+    if compiled is None:
+        raise RuntimeError(f"adamw_rounded_: this build has no compiled kernel for device type "
+                           f"{param.device.type!r} ({ops_summary()})")
+    compiled(param, grad.contiguous(), exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count,
+             None if positions is None else positions.contiguous(), step, float(lr), betas[0], betas[1], eps,
+             weight_decay)
 
 
 def symmetric_gram_(out: Tensor, X: Tensor, C: Tensor | None = None, alpha: float = 1.0,
