@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from kernel_under_test import load_cpu_variant, load_fallback_variant, submodule
+from test_state_precision import adamw_trained
 
 native = submodule(load_cpu_variant(), "native")
 state_precision = submodule(load_cpu_variant(), "state_precision")
@@ -79,16 +80,8 @@ def test_training_matches_the_composition_it_replaces(form: str) -> None:
     # (rarely), and by the last bits of a block's scale when its largest entry's roundings differ.
     state_dtype = torch.bfloat16 if form == "bfloat16" else "int8"
     start = torch.randn(16, 320)
-    runs = []
-    for variant in (load_cpu_variant(), load_fallback_variant()):
-        param = start.clone()
-        opt = variant.Muon([dict(params=[param], use_muon=False)], lr=0.01, state_dtype=state_dtype)
-        generator = torch.Generator().manual_seed(1)
-        for _ in range(10):
-            param.grad = torch.randn(param.shape, generator=generator)
-            opt.step()
-        runs.append((param, opt.state[param]))
-    (ours, our_state), (theirs, their_state) = runs
+    ours, our_state = adamw_trained(load_cpu_variant(), start, 10, state_dtype)
+    theirs, their_state = adamw_trained(load_fallback_variant(), start, 10, state_dtype)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     for key in ("exp_avg", "exp_avg_sq"):
         scales = our_state.get(f"{key}_scale")

@@ -132,6 +132,17 @@ def train(param: torch.Tensor, steps: int, seed: int = 0, **options) -> Muon:
     return opt
 
 
+def adamw_trained(package, start: torch.Tensor, steps: int, state_dtype) -> tuple[torch.Tensor, dict]:
+    """A copy of `start` after `steps` AdamW steps of `package`'s Muon (seeded gradients), and its state."""
+    param = start.clone()
+    opt = package.Muon([dict(params=[param], use_muon=False)], lr=0.02, state_dtype=state_dtype)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        param.grad = torch.randn(param.shape, generator=generator)
+        opt.step()
+    return param, opt.state[param]
+
+
 def all_params(opt: Muon) -> list[torch.Tensor]:
     return [param for group in opt.param_groups for param in group["params"]]
 
@@ -213,19 +224,9 @@ def test_adamw_in_small_chunks_equals_adamw_in_one(state_dtype, monkeypatch: pyt
     # fused AdamW rounds its vector body and its scalar tail differently (a fused multiply-add or not).
     fallback = load_fallback_variant()
     start = torch.randn(8, 320)
-
-    def trained() -> tuple[torch.Tensor, dict]:
-        param = start.clone()
-        opt = fallback.Muon([dict(params=[param], use_muon=False)], lr=0.02, state_dtype=state_dtype)
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            param.grad = torch.randn(param.shape, generator=generator)
-            opt.step()
-        return param, opt.state[param]
-
-    whole, whole_state = trained()
+    whole, whole_state = adamw_trained(fallback, start, 3, state_dtype)
     monkeypatch.setattr(submodule(fallback, "functional"), "ROUNDED_CHUNK", 704)
-    chunked, chunked_state = trained()
+    chunked, chunked_state = adamw_trained(fallback, start, 3, state_dtype)
     assert torch.equal(whole, chunked)
     for key, value in whole_state.items():
         assert torch.equal(chunked_state[key], value), key
