@@ -180,6 +180,10 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
                    for item, part in zip(bucket, orthogonal.split(batches))]
         rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
         if normalization is not None:
+            if device.type == "cpu":
+                # A tall bucket's results are transposed views, over which the normalizations' elementwise CPU
+                # passes ran slower than over contiguous copies (AdaMuon's GPT-2-small step: 1.12x, paired).
+                updates = [update.contiguous() for update in updates]
             dtype = bucket[0].second_moment.dtype
             updates = normalize(updates, [squares(update, item.view, normalization, dtype)
                                           for update, item in zip(updates, bucket)],
