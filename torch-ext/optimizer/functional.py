@@ -245,12 +245,11 @@ def _fused_adamw_taken_(items: Sequence[AdamWTensors], skipped: Sequence[float],
     through one fused call per dtype, the skipped ones are left alone. A call per parameter cost ~30 µs each, 3 ms
     of the 24 ms of GPT-2 small's 97 AdamW tensors on a 2-core Xeon, the call itself longer than a bias's update."""
     together: dict[torch.dtype, list[AdamWTensors]] = {}
-    no_skip = torch.zeros((), dtype=torch.float32)
     for item, skip in zip(items, skipped):
         if skip:
             continue
-        if item.rounding_count is not None:  # stored rounded: its own chunked call
-            _fused_adamw_one_(item, no_skip, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if item.rounding_count is not None:  # stored rounded: its own call
+            _fused_adamw_one_(item, None, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         else:
             together.setdefault(item.param.dtype, []).append(item)
     for group in together.values():
@@ -273,20 +272,24 @@ _ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 ROUNDED_CHUNK = 1 << 18
 
 
-def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor, *, lr: LearningRate, betas: tuple[float, float],
+def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor | None, *, lr: LearningRate, betas: tuple[float, float],
                       eps: float, weight_decay: float) -> None:
+    """One parameter's AdamW step, skipped where found_inf (a float32 flag on its device) is 1.0; None: taken (the
+    CPU path, which read the flags first), and then moments stored rounded go through the compiled
+    `adamw_rounded_` where the build has it."""
     settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if item.rounding_count is None:
         _fused_adamw_plain_([item], found_inf, **settings)
         return
     param = item.param.contiguous()  # see `_fused_adamw_plain_`
-    if found_inf.device.type == "cpu" and not found_inf.item() and native.has_compiled_adamw_rounded("cpu"):
+    if found_inf is None and native.has_compiled_adamw_rounded(param.device.type):
         native.adamw_rounded_(param, item.grad.reshape(param.shape), item.exp_avg, item.exp_avg_scales,
                               item.exp_avg_sq, item.exp_avg_sq_scales, item.rounding_count, item.rounding_positions,
                               item.step, **settings)
         advance_counts_([item.rounding_count], torch.ones(1))
     else:
-        _fused_adamw_rounded_(item, param, found_inf, **settings)
+        taken = torch.zeros((), dtype=torch.float32, device=param.device) if found_inf is None else found_inf
+        _fused_adamw_rounded_(item, param, taken, **settings)
     if param is not item.param:
         item.param.copy_(param)
 

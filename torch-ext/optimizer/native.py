@@ -228,16 +228,16 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
     compiled = None
     if params and not torch.compiler.is_compiling():
         compiled = _compiled_op(_APPLY_UPDATE_OP, params[0].device.type)
-    factors = list(decay.unbind()) if decay is not None else [None] * len(params)
-    served = [i for i, (param, update) in enumerate(zip(params, updates))
-              if compiled is not None and _op_reads(param, update)]
+    by_op = [compiled is not None and _op_reads(param, update) for param, update in zip(params, updates)]
+    served = [i for i, taken in enumerate(by_op) if taken]
+    rest = [i for i, taken in enumerate(by_op) if not taken]
     if served:
         served_decay = (torch.ones(len(served), dtype=torch.float64) if decay is None
                         else decay[served].to(torch.float64))
         compiled([params[i] for i in served], [updates[i] for i in served], served_decay,
                  torch.tensor([float(step_sizes[i]) for i in served], dtype=torch.float64))
-    rest = sorted(set(range(len(params))) - set(served))
     if decay is not None and rest:
+        factors = decay.unbind()  # views: no index tensor to send to a GPU
         torch._foreach_mul_([params[i] for i in rest], [factors[i] for i in rest])
     for i in rest:
         _add_scaled_(params[i], updates[i], step_sizes[i])
