@@ -286,11 +286,23 @@ def test_finite_flags_of_strided_empty_and_no_tensors(path) -> None:
     assert empty.shape == (0,) and empty.dtype == torch.float32
 
 
-def test_compiled_finite_flags_flag_only_nan_and_inf() -> None:
-    # The fallback's sum also flags finite tensors whose sum overflows; the compiled op reads each element.
+@pytest.mark.parametrize("dtype", BUFFER_DTYPES, ids=str)
+def test_compiled_finite_flags_flag_only_nan_and_inf(dtype: torch.dtype) -> None:
+    # The fallback's sum also flags finite tensors whose sum overflows; the compiled op reads each element. 1000
+    # elements: full blocks of the op's unrolled loop and a tail after them, for every element size.
     native = submodule(load_cpu_variant(), "native")
-    largest = torch.full((1000,), torch.finfo(torch.float32).max)
-    assert native.finite_flags([largest, largest.double()]).tolist() == [1.0, 1.0]
+    info = torch.finfo(dtype)
+    extremes = torch.tensor([info.max, info.min, info.smallest_normal, -0.0], dtype=dtype)
+    finite = extremes.repeat(250)
+    finite[1::7] = info.smallest_normal * info.eps  # the smallest subnormal
+    tensors, expected = [finite], [1.0]
+    for position, value in zip((0, 127, 128, 511, 998, 999), (float("nan"), float("inf"), float("-inf")) * 2):
+        flagged = finite.clone()
+        flagged[position] = value
+        tensors.append(flagged)
+        expected.append(0.0)
+    assert [float(torch.isfinite(tensor).all()) for tensor in tensors] == expected
+    assert native.finite_flags(tensors).tolist() == expected
 
 
 def test_finite_flags_device_mismatch_raises_value_error(path) -> None:

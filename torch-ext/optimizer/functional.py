@@ -226,16 +226,14 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: Learni
     adds around the kernel is done here: the step count moves by 1 - found_inf, and a tensor lr goes to the device."""
     if found_inf.shape != (len(items),):
         raise ValueError(f"found_inf has shape {tuple(found_inf.shape)} for {len(items)} parameters")
-    flags = found_inf.unbind()
-    # The bookkeeping of all parameters in three foreach calls: an op per parameter costs more than a bias's update.
-    torch._foreach_add_([item.step for item in items], 1)
-    torch._foreach_sub_([item.step for item in items], flags)
+    # The bookkeeping of all parameters in two foreach calls: an op per parameter costs more than a bias's update.
+    torch._foreach_add_([item.step for item in items], (1 - found_inf).unbind())
     torch._foreach_add_([item.nonfinite_skips for item in items], found_inf.to(torch.int64).unbind())
     step_lr = lr.to(found_inf.device) if isinstance(lr, Tensor) else lr
     if found_inf.device.type == "cpu":
         _fused_adamw_taken_(items, found_inf.tolist(), lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay)
         return
-    for item, flag in zip(items, flags):
+    for item, flag in zip(items, found_inf.unbind()):
         _fused_adamw_one_(item, flag, lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 

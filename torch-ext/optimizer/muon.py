@@ -17,7 +17,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .coefficients import Coefficients, resolve_coefficients
-from .distributed.dtensors import local_or_none, local_tensor, placed_like, splits_last_dim, zeros_like_resized
+from .distributed.dtensors import (is_dtensor, local_or_none, local_tensor, placed_like, splits_last_dim,
+                                  zeros_like_resized)
 from .distributed.finite import found_inf_flags
 from .distributed.layout import shard_positions
 from .distributed.step import distributed_muon_update, is_spread
@@ -291,6 +292,8 @@ def _keep_moments(state: dict[str, Any], param: Tensor, keys: tuple[str, ...], f
 
 def _local_adamw_item(item: AdamWTensors) -> AdamWTensors:
     """A DTensor parameter's AdamW tensors as this rank's shards (plain tensors pass through)."""
+    if not is_dtensor(item.param):
+        return item
     positions = None if item.rounding_count is None else shard_positions(item.param)
     return replace(item, param=local_tensor(item.param), grad=local_tensor(placed_like(item.grad, item.param)),
                    exp_avg=local_tensor(item.exp_avg), exp_avg_sq=local_tensor(item.exp_avg_sq),

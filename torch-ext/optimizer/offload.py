@@ -51,10 +51,11 @@ def keep_at_home(state: dict[str, Any], home: torch.device) -> None:
             state[key] = torch.empty_like(state[key], device=home, pin_memory=pin).copy_(state[key])
 
 
-def offloaded(item: Any) -> bool:
-    """Whether any of an item's state tensors lives away from its parameter."""
-    return any(getattr(item, field, None) is not None and getattr(item, field).device != item.param.device
-               for field in OFFLOADED_FIELDS)
+def offloaded(item: MuonTensors | AdamWTensors) -> bool:
+    """Whether an item's state lives away from its parameter. `keep_at_home` moves all of it together, so the first
+    moment tells (asked of every parameter every step: one device comparison, not one per field)."""
+    moment = item.momentum_buffer if isinstance(item, MuonTensors) else item.exp_avg
+    return moment.device != item.param.device
 
 
 class Copier(Protocol):
