@@ -7,8 +7,8 @@ import copy
 import math
 import sys
 from unittest import mock
-from collections.abc import Callable, Sequence
-from typing import ContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -154,31 +154,44 @@ def _assert_second_moments_match(ours: Muon, truth: Muon, params: Sequence[torch
 DIVIDED_SHAPES = [(40, 256), (256, 24), (8, 8), (6, 10)]
 # An expert bank not held whole by any rank (split along its rows) that outweighs the rest: divided by its experts.
 EXPERT_SHAPES = [(8, 32, 48), (12, 12)]
+# Two banks of 6 experts on dim 0 over 4 ranks hold 4, 4, 4 and 0 experts: in place, 1.33 max/mean; with one bank
+# released into the pipeline and divided by experts, every rank gets 3.
+RELEASED_BANK_SHAPES = [(6, 16, 24), (6, 16, 24)]
 
 
-def columns_divided_on_cpu() -> ContextManager:
+@contextmanager
+def columns_divided_on_cpu() -> Iterator[None]:
     """CPU (gloo) meshes divide no matrix by columns (`assignment.NO_COLUMN_DIVISION_ON`: slower there); within this
-    they do, as GPU meshes, so that the division is tested here."""
-    return mock.patch.object(submodule(optimizer, "distributed.assignment"), "NO_COLUMN_DIVISION_ON", frozenset())
+    they do, as GPU meshes, so that the division is tested here. Plans cached under the other rule are dropped on
+    the way in and out."""
+    assignment = submodule(optimizer, "distributed.assignment")
+    assignment.plan_spread.cache_clear()
+    try:
+        with mock.patch.object(assignment, "NO_COLUMN_DIVISION_ON", frozenset()):
+            yield
+    finally:
+        assignment.plan_spread.cache_clear()
 
 
 def divided_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], shapes: Sequence[tuple[int, ...]],
-                 kind: str, **options) -> None:
+                 kind: str, released: bool = False, **options) -> None:
     """dtensor_case on shapes whose owners divide them (the single-device result, within its tolerance), checking
-    that the step's plan did divide them as `kind` says."""
-    assignment = submodule(optimizer, "distributed.assignment")
+    that the step's plan did divide them as `kind` says, and (`released`) sent expert banks that ranks hold whole
+    through the pipeline."""
     plans = []
-    original = assignment.chunked_shares
+    original = submodule(optimizer, "distributed.assignment").plan_spread
 
     def recording(*args, **kwargs):
         plans.append(original(*args, **kwargs))
         return plans[-1]
 
     step = submodule(optimizer, "distributed.step")
-    with mock.patch.object(step, "chunked_shares", recording), columns_divided_on_cpu():
+    with mock.patch.object(step, "plan_spread", recording), columns_divided_on_cpu():
         dtensor_case(mesh_shape, placements, shapes=shapes, **options)
-    kinds = {share.kind for shares, _ in plans for item_shares in shares for share in item_shares}
+    kinds = {share.kind for plan in plans for item_shares in plan.shares for share in item_shares}
     assert kind in kinds, kinds
+    if released:  # every item is a bank its ranks hold whole: one not updated in place went through the pipeline
+        assert all(not all(plan.in_place) for plan in plans), [plan.in_place for plan in plans]
 
 
 def nonfinite_shard_case(world: int) -> None:
@@ -426,6 +439,10 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         # (3, 8) over 4 ranks: rank 3 holds no row, yet must skip (and count) like the rank with the NaN.
         cases["nonfinite_beside_an_empty_shard"] = partial(dtensor_case, (4,), [Shard(0)], nan_at=(1, 1, (0, 2)))
         cases["mesh2x2_shard0_shard1"] = partial(dtensor_case, (2, 2), [Shard(0), Shard(1)])
+        cases["released_banks_shard0"] = partial(divided_case, (4,), [Shard(0)], RELEASED_BANK_SHAPES, "experts",
+                                                 released=True)
+        cases["plan_step_bytes_released_banks"] = partial(plan_step_bytes_case, 4, [Shard(0)],
+                                                          shapes=RELEASED_BANK_SHAPES)
         cases["mesh2x2_shard0_shard1_neuron_normalization"] = partial(dtensor_case, (2, 2), [Shard(0), Shard(1)],
                                                                       normalization="neuron")
         cases["nonfinite_beside_an_empty_shard_neuron_normalization"] = partial(

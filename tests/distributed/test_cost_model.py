@@ -73,12 +73,12 @@ def test_bytes_are_every_shard_to_its_owners_and_back(world: int, dtype: torch.d
     assert (world == 64) == any(len(item_shares) > 1 for item_shares in shares)  # 48 matrices divide at 64 ranks
 
 
-# FSDP2's Shard(0) everywhere, but DeepSeek's experts at 512 ranks: 256 experts on dim 0 would leave half the ranks
-# without any (and without the bulk of the work, which whole experts updated in place cannot move), so there the
-# banks shard along their rows as `fully_shard(shard_placement_fn=...)` can, and are divided by experts.
-BALANCE_CASES = [(name, shapes, world, Shard(1) if name == "deepseek-v3" and world == 512 else Shard(0))
-                 for name, shapes in [("gpt2-small", GPT2_SMALL), ("llama-3-8b", LLAMA_3_8B),
-                                      ("deepseek-v3", DEEPSEEK_V3_LIKE)] for world in (8, 64, 512)]
+# FSDP2's Shard(0) everywhere, and DeepSeek's banks also split along their rows at 512 ranks (as
+# `fully_shard(shard_placement_fn=...)` can), where Shard(0) leaves half the ranks without an expert.
+BALANCE_CASES = [(name, shapes, world, Shard(0)) for name, shapes in [("gpt2-small", GPT2_SMALL),
+                                                                     ("llama-3-8b", LLAMA_3_8B),
+                                                                     ("deepseek-v3", DEEPSEEK_V3_LIKE)]
+                 for world in (8, 64, 512)] + [("deepseek-v3-shard1", DEEPSEEK_V3_LIKE, 512, Shard(1))]
 
 
 @pytest.mark.parametrize("name,shapes,world,placement", BALANCE_CASES, ids=[f"{c[0]}-{c[2]}" for c in BALANCE_CASES])
@@ -107,6 +107,23 @@ def test_an_expert_bank_sharded_on_its_experts_stays_in_place() -> None:
     plan = optimizer.plan_step([(8, 64, 32)], 4)
     assert plan.bytes_sent_per_rank == [0] * 4 and plan.collectives == 0
     assert plan.flops_per_rank == [2 * _hand_flops((64, 32), 5)] * 4
+
+
+def test_banks_leaving_their_holders_above_the_mean_go_through_the_pipeline() -> None:
+    # Two banks of 6 experts (16, 24) on dim 0 over 4 ranks: ranks 0-2 hold 2 experts of each, rank 3 none. Held in
+    # place that is 4, 4, 4, 0 experts of work; the first bank is released and divided by experts: rank 0 keeps
+    # expert 0, ranks 1 and 2 get experts 1 and 2, rank 3 experts 3-5, so every rank has 3. Each expert that moves
+    # goes to its owner and back, 16 * 24 bf16 entries (768 bytes) each way: rank 0 sends expert 1; rank 1 experts 2
+    # and 3, then expert 1's update; rank 2 experts 4 and 5, then expert 2's update; rank 3 three updates.
+    plan = optimizer.plan_step([(6, 16, 24), (6, 16, 24)], 4)
+    assert plan.flops_per_rank == [3 * _hand_flops((16, 24), 5)] * 4
+    assert plan.bytes_sent_per_rank == [768, 2304, 2304, 2304]
+
+
+def test_banks_stay_in_place_where_releasing_them_would_not_balance_better() -> None:
+    # 2 experts over 4 ranks: whole experts cannot give the two empty ranks any work without taking it from others.
+    plan = optimizer.plan_step([(2, 64, 32)], 4)
+    assert plan.bytes_sent_per_rank == [0] * 4 and plan.balance == 2.0
 
 
 def test_times_follow_the_roofline_of_the_slowest_rank() -> None:

@@ -143,6 +143,68 @@ def in_place_loads(banks: Iterable[tuple[MatrixView, ShardLayout]], world: int, 
     return loads
 
 
+@dataclass(frozen=True)
+class SpreadPlan:
+    """Who orthogonalizes what in one distributed step: `in_place[j]`, whether item j (a bank whose ranks hold whole
+    experts) is updated where it lies; the others (`spread`, item indices) go through the all-to-all pipeline with
+    their `works`, `shares` and `chunks` (indices into `spread`); `base` is each rank's FLOPs of the banks in place."""
+
+    in_place: tuple[bool, ...]
+    spread: tuple[int, ...]
+    works: tuple[Work, ...]
+    shares: tuple[tuple[Share, ...], ...]
+    chunks: tuple[tuple[int, ...], ...]
+    base: tuple[float, ...]
+
+
+@lru_cache(maxsize=64)  # every step asks again: at hundreds of ranks planning takes longer than the products
+def plan_spread(views: tuple[MatrixView, ...], layouts: tuple[ShardLayout, ...], world: int, steps: int,
+                algorithm: str, dtype: torch.dtype, device_type: str, chunk_size: int | None,
+                keep_banks: bool = True) -> SpreadPlan:
+    """The step's plan for items of `views` laid out by `layouts` over `world` ranks (the same on every rank, and
+    in `plan_step`). Banks whose ranks hold whole experts stay in place (with `keep_banks`: no transfer), unless
+    their holders then carry more than the mean work, which no placement of the rest can balance (256 experts over
+    512 ranks leave half the ranks without any): banks are then released into the pipeline, the one weighing most
+    on the busiest rank first, until no rank's banks exceed the mean, and the released plan is kept if it balances
+    better (whole experts may be too coarse to)."""
+    iteration = (steps, algorithm, dtype)
+    held = [j for j, (view, layout) in enumerate(zip(views, layouts))
+            if keep_banks and holds_whole_matrices(view, layout)]
+    loads = {j: in_place_loads([(views[j], layouts[j])], world, *iteration) for j in held}
+    works = [work_of(view, layout, *iteration, device_type) for view, layout in zip(views, layouts)]
+    mean = (sum(sum(load) for load in loads.values())
+            + sum(works[j].flops for j in range(len(views)) if j not in loads)) / world
+    kept = _planned(works, loads, list(held), world, chunk_size)
+    remaining, base = list(held), _base(loads, held, world)
+    while remaining and max(base) > mean:
+        busiest = max(range(world), key=base.__getitem__)
+        bank = max(remaining, key=lambda j: (loads[j][busiest], -j))
+        remaining.remove(bank)
+        base = [load - released for load, released in zip(base, loads[bank])]
+    if len(remaining) == len(held):
+        return kept
+    released = _planned(works, loads, remaining, world, chunk_size)
+    return released if _plan_balance(released) < _plan_balance(kept) else kept
+
+
+def _base(loads: dict[int, list[float]], banks: Sequence[int], world: int) -> list[float]:
+    return [sum(loads[j][rank] for j in banks) for rank in range(world)]
+
+
+def _planned(works: Sequence[Work], loads: dict[int, list[float]], in_place: Sequence[int], world: int,
+             chunk_size: int | None) -> SpreadPlan:
+    base = tuple(_base(loads, in_place, world))
+    spread = tuple(j for j in range(len(works)) if j not in in_place)
+    spread_works = tuple(works[j] for j in spread)
+    shares, chunks = chunked_shares(spread_works, world, chunk_size, base)
+    return SpreadPlan(tuple(j in in_place for j in range(len(works))), spread, spread_works, tuple(shares),
+                      tuple(tuple(chunk) for chunk in chunks), base)
+
+
+def _plan_balance(plan: SpreadPlan) -> float:
+    return _balance(plan.works, plan.shares, len(plan.base), plan.base)
+
+
 def chunked_shares(works: Sequence[Work], world: int, chunk_size: int | None,
                    base_loads: Sequence[float] | None = None) -> tuple[list[tuple[Share, ...]], list[list[int]]]:
     """The shares of each item and the chunks the pipeline runs the items in (item indices, largest work first;

@@ -1,8 +1,8 @@
 """`plan_step`: what one distributed Muon step costs each rank, predicted from the planning code the step runs.
 
 The step's own decisions, not a model of them: the matrix views (`routing.matrix_view`), the shard layouts
-(`layout.sharded_layout`), which matrices stay where they are (`assignment.holds_whole_matrices`), the shares, their
-owners and the chunks (`assignment.chunked_shares`), every all-to-all's transfers (`plan.gather_transfers`,
+(`layout.sharded_layout`), which matrices stay where they are, the shares, their owners and the chunks
+(`assignment.plan_spread`), every all-to-all's transfers (`plan.gather_transfers`,
 `plan.scatter_transfers`, and `split_newton_schulz.among_owners` for divided matrices) and the work of the
 iteration each share gets (`assignment.rank_flops`). So the bytes are the bytes the pipeline sends, exactly; the
 FLOPs are those iterations' products, and the times are a roofline over a `DeviceModel`.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..routing import matrix_view
-from .assignment import COLUMNS, chunked_shares, holds_whole_matrices, in_place_loads, rank_flops, work_of
+from .assignment import COLUMNS, plan_spread, rank_flops
 from .dtensors import Placement
 from .layout import box_numel, sharded_layout
 from .plan import gather_transfers, scatter_transfers
@@ -80,13 +80,10 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
         raise ValueError(f"Invalid mesh_shape: {mesh_shape} with placements {placements} for {world} ranks")
     views = [matrix_view(tuple(shape), param_layout, conv_mode) for shape in shapes]
     layouts = [sharded_layout(tuple(shape), mesh_shape, placements, tuple(range(world))) for shape in shapes]
-    in_place = [holds_whole_matrices(view, layout) for view, layout in zip(views, layouts)]
-    iteration = (ns_steps, ns_algorithm, ns_dtype)
-    base = in_place_loads([pair for pair, local in zip(zip(views, layouts), in_place) if local], world, *iteration)
-    spread = [j for j, local in enumerate(in_place) if not local]
-    works = [work_of(views[j], layouts[j], *iteration, mesh_device_type) for j in spread]
-    shares, chunks = chunked_shares(works, world, chunk_size, base)
-    flops = rank_flops(works, shares, world, base)
+    plan = plan_spread(tuple(views), tuple(layouts), world, ns_steps, ns_algorithm, ns_dtype, mesh_device_type,
+                       chunk_size)
+    spread, shares, chunks = plan.spread, plan.shares, plan.chunks
+    flops = rank_flops(plan.works, shares, world, plan.base)
     sent, received = [0] * world, [0] * world
     collectives = 0
     # Per exchange, the bytes each rank's link carries (the larger direction): the first is a chunk's gather, the

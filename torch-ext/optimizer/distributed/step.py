@@ -17,7 +17,7 @@ from ..functional import LearningRate, MuonTensors
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
-from .assignment import chunked_shares, holds_whole_matrices, in_place_loads, work_of
+from .assignment import plan_spread
 from .dtensors import is_dtensor, is_shard, local_or_none, local_tensor, placed_like
 from .finite import finite_everywhere
 from .layout import ShardLayout, replicated_layout, shard_positions, sharded_layout
@@ -37,37 +37,32 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
     rounding). DTensors run over the mesh dims that shard them (see `comm.spread_mesh_dims`), plain tensors over
     `process_group`. Parameters whose every rank holds whole matrices (expert banks sharded on the expert dim)
     are orthogonalized where they are, with no transfer, unless the RMS rule of a normalization needs the norm of
-    the whole update. Every rank of those groups must call this with the same parameters in the same order."""
+    the whole update or their holders would carry more than the mean work (`assignment.plan_spread`). Every rank
+    of those groups must call this with the same parameters in the same order."""
     rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
+    iteration = (len(orthogonalizer.coefficients), orthogonalizer.algorithm, orthogonalizer.dtype)
     for (group, dims), group_items in _by_group(items, process_group).items():
         rank, world = comm.rank_and_world(group)
         layouts = [_layout(item.param, group, dims, world) for item in group_items]
         grads, everywhere = _agreed_local_grads(group_items, layouts, group)
-        in_place = [holds_whole_matrices(item.view, layout) and not rms_rule
-                    for item, layout in zip(group_items, layouts)]
+        plan = plan_spread(tuple(item.view for item in group_items), tuple(layouts), world, *iteration,
+                           group_items[0].param.device.type, chunk_size, keep_banks=not rms_rule)
         _update_in_place([(item, grad, flag) for item, grad, flag, local in
-                          zip(group_items, grads, everywhere.unbind(), in_place) if local],
+                          zip(group_items, grads, everywhere.unbind(), plan.in_place) if local],
                          lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          orthogonalizer=orthogonalizer, adjust_lr_fn=adjust_lr_fn,
                          normalize_spatial=normalize_spatial, normalization=normalization,
                          normalization_beta=normalization_beta)
-        spread = [(item, layout, grad, flag) for item, layout, grad, flag, local in
-                  zip(group_items, layouts, grads, everywhere.unbind(), in_place) if not local]
-        if not spread:
+        if not plan.spread:
             continue
-        iteration = (len(orthogonalizer.coefficients), orthogonalizer.algorithm, orthogonalizer.dtype)
-        base = in_place_loads([(item.view, layout) for item, layout, local in zip(group_items, layouts, in_place)
-                               if local], world, *iteration)
-        device_type = spread[0][0].param.device.type
-        works = [work_of(item.view, layout, *iteration, device_type) for item, layout, _, _ in spread]
-        shares, chunks = chunked_shares(works, world, chunk_size, base)
-        spread = [SpreadItem(item, layout, item_shares, grad, flag)
-                  for (item, layout, grad, flag), item_shares in zip(spread, shares)]
+        flags = everywhere.unbind()
+        spread = [SpreadItem(group_items[j], layouts[j], item_shares, grads[j], flags[j])
+                  for j, item_shares in zip(plan.spread, plan.shares)]
         settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
                                   adjust_lr_fn, normalize_spatial, normalization, normalization_beta)
         copier = (offload.CudaCopier(spread[0].grad.device)
                   if any(offload.offloaded(item.tensors) for item in spread) else None)
-        run_staggered(chunk_pipeline([spread[i] for i in chunk], settings, copier) for chunk in chunks)
+        run_staggered(chunk_pipeline([spread[i] for i in chunk], settings, copier) for chunk in plan.chunks)
         if copier is not None:
             copier.finish()
 
