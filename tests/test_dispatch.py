@@ -134,3 +134,18 @@ def test_gpu_kernels_refuse_bfloat16_below_sm80(monkeypatch: pytest.MonkeyPatch)
         with pytest.raises(RuntimeError, match=rf"backend='{backend}'.*compute capability 8\.0.*7\.5"):
             dispatch.check_backend(backend, torch.bfloat16, torch.device("cuda"))
         dispatch.check_backend(backend, torch.float16, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_matmul_of_transposed_batches_is_torch_matmuls_product(batch: int, dtype: torch.dtype) -> None:
+    # A batch of one runs as a 2D product (dispatch.matmul): the same answer as torch.matmul, into `out` if given.
+    generator = torch.Generator().manual_seed(batch)
+    a = torch.randn(batch, 40, 24, generator=generator).to(dtype).mT  # tall matrices seen wide: transposed views
+    b = torch.randn(batch, 40, 16, generator=generator).to(dtype)
+    out = torch.empty(batch, 24, 16, dtype=dtype)
+    assert dispatch.matmul(a, b, out=out) is out
+    torch.testing.assert_close(out, torch.matmul(a, b))
+    torch.testing.assert_close(dispatch.matmul(a, b), torch.matmul(a, b))
+    exact = torch.matmul(a.double(), b.double())
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=40 * torch.finfo(dtype).eps * exact.abs().max())

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
-from .dispatch import check_backend, kernel_choice, resolve_backend, symmetric_gram, symmetric_polynomial
+from .dispatch import check_backend, kernel_choice, matmul, resolve_backend, symmetric_gram, symmetric_polynomial
 from .precision import default_ns_dtype
 from .workspace import Workspace
 
@@ -232,7 +232,7 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
     Q: Tensor | None = None
     for step, (a, b, c) in enumerate(coefficients):
         if step in restarts:
-            start = torch.matmul(Q.to(start.dtype), start)
+            start = matmul(Q.to(start.dtype), start)
             R, Q = symmetric_gram(start.to(inner_dtype), backend, out=buffers.get("R", square, inner_dtype)), None
         P = symmetric_polynomial(R, b, c, backend, out=buffers.get("P", square, inner_dtype))
         P.diagonal(dim1=-2, dim2=-1).add_(a)
@@ -240,7 +240,7 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
         if step + 1 < len(coefficients) and step + 1 not in restarts:
             W = _product(P, R, buffers.get("W", square, inner_dtype))  # P R
             R = _product(P, W, buffers.get("R", square, inner_dtype))  # P R P
-    return torch.matmul(Q.to(start.dtype), start)
+    return matmul(Q.to(start.dtype), start)
 
 
 class _Buffers:
@@ -306,7 +306,7 @@ def _product(P: Tensor, X: Tensor, out: Tensor | None) -> Tensor:
     `bmm` on a Xeon and 10-25% faster than MKL's batched entry point on an AMD EPYC; 16-bit one `bmm`, which oneDNN
     spreads over the threads, 2x a loop's speed on (12, 768, 768) bf16)."""
     if out is None or X.element_size() <= 2:
-        return torch.matmul(P, X, out=out)
+        return matmul(P, X, out=out)
     for p, x, result in zip(P.unbind(), X.unbind(), out.unbind()):
         torch.mm(p, x, out=result)
     return out
