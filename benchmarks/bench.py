@@ -464,20 +464,20 @@ def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, re
         naive = _NaiveGatherAll(optimizer, _dist_matrices(blocks, mesh))
         result["naive_ms"] = _timed_step_ms(naive.step, repeats, warm_up=False)  # no lazy state; the slowest row
         result["muon_fsdp2"] = _muon_fsdp2_ms(optimizer, blocks, mesh, repeats)
-        result["device_model"] = _measured_device_model(world, optimizer.default_ns_dtype("cpu"))
+        result["device_model"] = _measured_device_model(optimizer, world)
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def _measured_device_model(world: int, dtype: torch.dtype) -> dict[str, float]:
-    """What plan_step's DeviceModel assumes, measured as a rank of this run sees it, every rank at work at once:
-    torch.mm FLOP/s in the step's Newton-Schulz dtype (2048³ products until the last rank is done: with more ranks
-    than cores a rank that timed only its own product measured the whole machine's rate; the closing barrier's cost,
-    one collective's latency, taken off), gloo all-to-all bytes per
-    second a rank sends (8 MB per rank), and the time of an all-to-all of one float per peer (the latency). Medians
-    of 5."""
+def _measured_device_model(optimizer, world: int) -> dict[str, float]:
+    """What plan_step's DeviceModel assumes, measured as a rank of this run sees it, every rank at work at once: the
+    sustained FLOP/s of Newton-Schulz itself, `zeropower` in the default dtype on each matrix of one GPT-2 block
+    (the products at the sizes an owner runs them, with the scaling and copies around them; the closing barrier's
+    cost, one collective's latency, taken off: with more ranks than cores a rank that timed only its own work
+    measured the whole machine's rate), gloo all-to-all bytes per second a rank sends (8 MB per rank), and the time
+    of an all-to-all of one float per peer (the latency). Medians of 5."""
     def median_s(work: Callable[[], object], until_all_done: bool = False) -> float:
         work()
         times = []
@@ -490,14 +490,17 @@ def _measured_device_model(world: int, dtype: torch.dtype) -> dict[str, float]:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    x = torch.randn(2048, 2048, dtype=dtype)
-    matmul = median_s(lambda: torch.mm(x, x), until_all_done=True)
+    dtype = optimizer.default_ns_dtype("cpu")
+    matrices = [torch.randn(shape) for shape in GPT2_SMALL_BLOCK]
+    newton_schulz = median_s(lambda: [optimizer.zeropower(matrix, 5, dtype=dtype) for matrix in matrices],
+                             until_all_done=True)
+    flop = sum(newton_schulz_flop(*shape, 5) for shape in GPT2_SMALL_BLOCK)
     big, tiny = torch.zeros(world * (2 << 20)), torch.zeros(world)
     big_out, tiny_out = torch.empty_like(big), torch.empty_like(tiny)
     latency = median_s(lambda: dist.all_to_all_single(tiny_out, tiny))
     transfer = median_s(lambda: dist.all_to_all_single(big_out, big))
     sent = (world - 1) / world * big.numel() * big.element_size()
-    return {"matmul_flops": 2 * 2048 ** 3 / max(matmul - latency, 1e-9), "link_bytes_per_s":
+    return {"matmul_flops": flop / max(newton_schulz - latency, 1e-9), "link_bytes_per_s":
             sent / max(transfer - latency, 1e-9), "collective_latency_s": latency}
 
 
@@ -568,13 +571,13 @@ def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[st
         f"dist: owner Newton-Schulz FLOP balance (max/mean over ranks, plan_step): {plan.balance:.3f}",
         f"dist: step time ours/naive {result['ours_ms'] / naive:.2f}x (ratio column: naive/ours)",
         f"dist: plan_step's predicted step time with a DeviceModel measured in the same run (per rank: "
-        f"{str(plan_dtype).removeprefix('torch.')} mm "
+        f"{str(plan_dtype).removeprefix('torch.')} Newton-Schulz of a GPT-2 block's matrices "
         f"{device_model.matmul_flops / 1e9:.1f} GFLOP/s, gloo all-to-all {device_model.link_bytes_per_s / 1e9:.2f} "
         f"GB/s sent, {device_model.collective_latency_s * 1e6:.0f} us per collective): overlapped "
         f"{plan.time_overlapped_s * 1e3:.0f} ms, serial {plan.time_serial_s * 1e3:.0f} ms; measured "
         f"{result['ours_ms']:.0f} ms, {result['ours_ms'] / 1e3 / plan.time_overlapped_s:.2f}x the overlapped "
-        f"prediction (it counts the Newton-Schulz products and the all-to-alls, not the momentum, the update or "
-        f"Python's own time)",
+        f"prediction (it counts Newton-Schulz and the all-to-alls, not the momentum, the update or Python's own "
+        f"time)",
     ]
     return rows, notes
 
