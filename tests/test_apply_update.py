@@ -73,15 +73,18 @@ def test_within_two_roundings_of_float64(native, dtype: torch.dtype, update_dtyp
 
 
 @pytest.mark.parametrize("update_dtype", UPDATE_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(70, 130), (3, 65, 33), (1, 200)], ids=str)
-def test_a_transposed_update_equals_the_composition(native, shape: tuple, update_dtype: torch.dtype) -> None:
-    # A tall matrix's Newton-Schulz result is the transpose of a contiguous batch; the op reads it in tiles of 64
-    # (sizes here leave partial tiles on both sides, and a batch of three matrices).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(70, 130), (3, 65, 33), (1, 200), (128, 192)], ids=str)
+def test_a_transposed_update_equals_the_composition(native, shape: tuple, dtype: torch.dtype,
+                                                     update_dtype: torch.dtype) -> None:
+    # A tall matrix's Newton-Schulz result is the transpose of a contiguous batch; the op reads it in tiles of 64,
+    # transposed in 8 x 8 blocks of float (float32 parameters) or double (float64) values. Sizes here leave partial
+    # tiles on both sides, a batch of three matrices, and whole tiles only.
     generator = torch.Generator().manual_seed(2)
-    params = [torch.randn(shape, generator=generator)]
+    params = [torch.randn(shape, generator=generator, dtype=dtype)]
     updates = [torch.randn((*shape[:-2], shape[-1], shape[-2]), generator=generator).to(update_dtype).mT]
     expected = [params[0].clone()]
-    decay = torch.tensor([0.75])
+    decay = torch.tensor([0.75], dtype=dtype)
     _torch_composition(expected, [updates[0].contiguous()], decay, [-0.3])
     native.apply_update_(params, updates, decay, [-0.3])
     assert torch.equal(params[0], expected[0])

@@ -3,11 +3,13 @@
 // parameter's (a bfloat16 update to a float32 parameter: a fresh float32 copy, faulted in, for each matrix).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
 
 #include "finite_cpu.h"
 #include "momentum_math_cpu.h"
@@ -48,9 +50,45 @@ struct TransposedTiles {
   int64_t per_matrix() const { return row_tiles * col_tiles; }
 };
 
+// Eight vectors of eight values, transposed in registers by three rounds of interleaving (the classic AVX
+// sequence), in vector extensions so that each CPU clone gets its own shuffles.
+template <typename value_t>
+struct Lanes8 {
+  typedef value_t type __attribute__((vector_size(8 * sizeof(value_t))));
+};
+
+template <typename value_t>
+C10_ALWAYS_INLINE void transpose8(const value_t* source, int64_t source_stride, value_t* target,
+                                  int64_t target_stride) {
+  using lanes_t = typename Lanes8<value_t>::type;
+  lanes_t x[8], y[8], z[8];
+  for (int k = 0; k < 8; ++k) std::memcpy(&x[k], source + k * source_stride, sizeof(lanes_t));
+  for (int k = 0; k < 8; k += 2) {
+    y[k] = __builtin_shufflevector(x[k], x[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    y[k + 1] = __builtin_shufflevector(x[k], x[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    for (int h = 0; h < 2; ++h) {
+      z[k + h] = __builtin_shufflevector(y[k + h], y[k + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      z[k + h + 2] = __builtin_shufflevector(y[k + h], y[k + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  }
+  constexpr int kRowOf[8] = {0, 2, 1, 3, 4, 6, 5, 7};  // where each output vector lands after the interleaving
+  for (int h = 0; h < 4; ++h) {
+    const lanes_t low = __builtin_shufflevector(z[h], z[h + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    const lanes_t high = __builtin_shufflevector(z[h], z[h + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    std::memcpy(target + kRowOf[h] * target_stride, &low, sizeof(lanes_t));
+    std::memcpy(target + kRowOf[h + 4] * target_stride, &high, sizeof(lanes_t));
+  }
+}
+
+// The tile is converted along the update's rows, transposed in 8 x 8 blocks, then applied along the parameter's
+// rows: element by element, the transposing stores kept the tile loop scalar (a (12, 3072, 768) bucket's update
+// took 21 ms, 14 ms this way). A partial tile at an edge is padded with zeros, which are moved but never applied.
 template <typename param_t, typename update_t>
-void apply_transposed_tile(param_t* param, const update_t* update, const TransposedTiles& tiles, int64_t tile,
-                           at::opmath_type<param_t> decay, at::opmath_type<param_t> step) {
+MUON_VECTOR_CLONES void apply_transposed_tile(param_t* param, const update_t* update, const TransposedTiles& tiles,
+                                              int64_t tile, at::opmath_type<param_t> decay,
+                                              at::opmath_type<param_t> step) {
   using opmath_t = at::opmath_type<param_t>;
   const int64_t matrix = tile / tiles.per_matrix(), within = tile % tiles.per_matrix();
   const int64_t first_row = within / tiles.col_tiles * kTile, first_col = within % tiles.col_tiles * kTile;
@@ -58,11 +96,20 @@ void apply_transposed_tile(param_t* param, const update_t* update, const Transpo
   const int64_t col_count = std::min(kTile, tiles.cols - first_col);
   param += matrix * tiles.rows * tiles.cols;
   update += matrix * tiles.rows * tiles.cols;
-  opmath_t values[kTile][kTile];
+  alignas(64) opmath_t read[kTile][kTile];  // [col][row]: the update's layout
+  if (row_count < kTile || col_count < kTile) {
+    std::memset(read, 0, sizeof(read));
+  }
   for (int64_t col = 0; col < col_count; ++col) {
     const update_t* source = update + (first_col + col) * tiles.rows + first_row;
     for (int64_t row = 0; row < row_count; ++row) {
-      values[row][col] = static_cast<opmath_t>(muon_cpu::widen(source[row]));
+      read[col][row] = static_cast<opmath_t>(muon_cpu::widen(source[row]));
+    }
+  }
+  alignas(64) opmath_t values[kTile][kTile];  // [row][col]: the parameter's
+  for (int64_t col = 0; col < kTile; col += 8) {
+    for (int64_t row = 0; row < kTile; row += 8) {
+      transpose8(&read[col][row], kTile, &values[row][col], kTile);
     }
   }
   for (int64_t row = 0; row < row_count; ++row) {
