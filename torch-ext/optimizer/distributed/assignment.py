@@ -191,9 +191,10 @@ def _base(loads: dict[int, list[float]], banks: Sequence[int], world: int) -> li
     return [sum(loads[j][rank] for j in banks) for rank in range(world)]
 
 
-def _planned(works: Sequence[Work], loads: dict[int, list[float]], in_place: Sequence[int], world: int,
+def _planned(works: Sequence[Work], loads: dict[int, list[float]], banks_in_place: Sequence[int], world: int,
              chunk_size: int | None) -> SpreadPlan:
-    base = tuple(_base(loads, in_place, world))
+    in_place = frozenset(banks_in_place)
+    base = tuple(_base(loads, banks_in_place, world))
     spread = tuple(j for j in range(len(works)) if j not in in_place)
     spread_works = tuple(works[j] for j in spread)
     shares, chunks = chunked_shares(spread_works, world, chunk_size, base)
