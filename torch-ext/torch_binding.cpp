@@ -278,17 +278,21 @@ void checked_symmetric_gram(at::Tensor& out, const at::Tensor& X, const std::opt
   impl(out, X, C, alpha, beta);
 }
 
+// One float64 value per tensor of an op's list, read on the host.
+void check_host_factors(const char* op, const char* name, const at::Tensor& tensor, int64_t count) {
+  TORCH_CHECK_VALUE(tensor.scalar_type() == at::kDouble && tensor.dim() == 1 && tensor.numel() == count &&
+                        tensor.is_contiguous() && tensor.is_cpu(),
+                    op, ": ", name, " must be a contiguous float64 CPU tensor of shape (", count, "), got ",
+                    tensor.scalar_type(), " of shape ", tensor.sizes(), " on ", tensor.device());
+}
+
 void check_apply_update_args(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
                              const at::Tensor& step_sizes) {
   const auto count = static_cast<int64_t>(params.size());
   TORCH_CHECK_VALUE(updates.size() == params.size(), "apply_update_: updates has ", updates.size(),
                     " tensors but params has ", count);
-  for (const auto& [name, tensor] : {std::pair{"decay", decay}, std::pair{"step_sizes", step_sizes}}) {
-    TORCH_CHECK_VALUE(tensor.scalar_type() == at::kDouble && tensor.dim() == 1 && tensor.numel() == count &&
-                          tensor.is_contiguous() && tensor.is_cpu(),
-                      "apply_update_: ", name, " must be a contiguous float64 CPU tensor of shape (", count, "), got ",
-                      tensor.scalar_type(), " of shape ", tensor.sizes(), " on ", tensor.device());
-  }
+  check_host_factors("apply_update_", "decay", decay, count);
+  check_host_factors("apply_update_", "step_sizes", step_sizes, count);
   for (size_t i = 0; i < params.size(); ++i) {
     for (const auto& [name, tensor] : {std::pair{"params", params[i]}, std::pair{"updates", updates[i]}}) {
       TORCH_CHECK_VALUE(tensor.device() == params[0].device(), "apply_update_: ", name, "[", i, "] is on ",
@@ -312,6 +316,38 @@ void checked_apply_update(at::TensorList params, at::TensorList updates, const a
                           const at::Tensor& step_sizes) {
   check_apply_update_args(params, updates, decay, step_sizes);
   impl(params, updates, decay, step_sizes);
+}
+
+void check_normalize_elements_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                                   const at::Tensor& corrections) {
+  const auto count = static_cast<int64_t>(updates.size());
+  TORCH_CHECK_VALUE(moments.size() == updates.size(), "normalize_elements_: moments has ", moments.size(),
+                    " tensors but updates has ", count);
+  check_host_factors("normalize_elements_", "decays", decays, count);
+  check_host_factors("normalize_elements_", "corrections", corrections, count);
+  for (size_t i = 0; i < updates.size(); ++i) {
+    for (const auto& [name, tensor] : {std::pair{"updates", updates[i]}, std::pair{"moments", moments[i]}}) {
+      TORCH_CHECK_VALUE(tensor.device() == updates[0].device(), "normalize_elements_: ", name, "[", i, "] is on ",
+                        tensor.device(), " but updates[0] is on ", updates[0].device());
+      TORCH_CHECK_VALUE(tensor.is_contiguous(), "normalize_elements_: ", name, "[", i, "] must be contiguous");
+    }
+    TORCH_CHECK_VALUE(is_supported_dtype(updates[i].scalar_type()), "normalize_elements_: updates[", i,
+                      "] has dtype ", updates[i].scalar_type(), " (expected float32, float64, bfloat16 or float16)");
+    TORCH_CHECK_VALUE(moments[i].scalar_type() == at::kFloat || moments[i].scalar_type() == at::kDouble,
+                      "normalize_elements_: moments[", i, "] has dtype ", moments[i].scalar_type(),
+                      " (expected float32 or float64)");
+    TORCH_CHECK_VALUE(moments[i].sizes() == updates[i].sizes(), "normalize_elements_: moments[", i, "] has shape ",
+                      moments[i].sizes(), " but updates[", i, "] has shape ", updates[i].sizes());
+    TORCH_CHECK_VALUE(!share_memory(updates[i], moments[i]), "normalize_elements_: moments[", i,
+                      "] shares memory with updates[", i, "]");
+  }
+}
+
+template <NormalizeElementsImpl impl>
+void checked_normalize_elements(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                                const at::Tensor& corrections, double one_minus_beta, double eps) {
+  check_normalize_elements_args(updates, moments, decays, corrections);
+  impl(updates, moments, decays, corrections, one_minus_beta, eps);
 }
 
 void check_adamw_rounded_args(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -392,8 +428,13 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "adamw_rounded_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!)? exp_avg_scales, "
       "Tensor(d!) exp_avg_sq, Tensor(e!)? exp_avg_sq_scales, Tensor rounding_count, Tensor? positions, Tensor step, "
       "float lr, float beta1, float beta2, float eps, float weight_decay) -> ()");
+  // AdaMuon's per-entry second moment and division, in place (see torch_binding.h).
+  ops.def(
+      "normalize_elements_(Tensor(a!)[] updates, Tensor(b!)[] moments, Tensor decays, Tensor corrections, "
+      "float one_minus_beta, float eps) -> ()");
 #if defined(CPU_KERNEL)
   ops.impl("apply_update_", c10::DeviceType::CPU, &checked_apply_update<&apply_update_cpu>);
+  ops.impl("normalize_elements_", c10::DeviceType::CPU, &checked_normalize_elements<&normalize_elements_cpu>);
   ops.impl("adamw_rounded_", c10::DeviceType::CPU, &checked_adamw_rounded<&adamw_rounded_cpu>);
   ops.impl("muon_momentum_", c10::DeviceType::CPU, &checked_muon_momentum<&muon_momentum_cpu>);
   ops.impl("muon_momentum_rounded_", c10::DeviceType::CPU,

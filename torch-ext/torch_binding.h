@@ -91,6 +91,15 @@ using ApplyUpdateImpl = void (*)(at::TensorList params, at::TensorList updates, 
 void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& decay,
                       const at::Tensor& step_sizes);
 
+// AdaMuon's normalization of each entry, in place: moments[i] <- moments[i] * decays[i] + one_minus_beta * u²,
+// then updates[i] <- u / (sqrt(moments[i] / corrections[i]) + eps), with u = updates[i]'s entry (decays and
+// corrections: float64, one per tensor, on the host; moments float32 or float64, contiguous, of the updates' shapes).
+using NormalizeElementsImpl = void (*)(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                                       const at::Tensor& corrections, double one_minus_beta, double eps);
+
+void normalize_elements_cpu(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                            const at::Tensor& corrections, double one_minus_beta, double eps);
+
 // One AdamW step of a parameter whose moments are stored in fewer bytes, both in the same form: bfloat16 (no scales),
 // or int8 e4m3 codes with a float32 scale per block of kRoundedBlock entries along the last dim, the second moment's
 // codes holding its square root. Read, stepped in float32 with the parameter (lr, betas, eps and decoupled

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import native
 from .newton_schulz import Orthogonalizer
-from .normalization import normalize, rms_rule_scale, squares, sum_of_squares, uses_rms_rule
+from .normalization import normalize, rms_rule_scale, row_squares, sum_of_squares, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
 from .workspace import Workspace
@@ -185,8 +185,9 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
                 # passes ran slower than over contiguous copies (AdaMuon's GPT-2-small step: 1.12x, paired).
                 updates = [update.contiguous() for update in updates]
             dtype = bucket[0].second_moment.dtype
-            updates = normalize(updates, [squares(update, item.view, normalization, dtype)
-                                          for update, item in zip(updates, bucket)],
+            row_sums = ([row_squares(update, item.view, dtype) for update, item in zip(updates, bucket)]
+                        if normalization == "neuron" else None)
+            updates = normalize(updates, row_sums,
                                 [item.second_moment for item in bucket], [item.update_step for item in bucket],
                                 skipped, [item.view for item in bucket], normalization, normalization_beta,
                                 orthogonalizer.eps, bias_correction=not rms_rule)

@@ -33,8 +33,9 @@ _LOAD_MOMENT_OP = "load_moment_"
 _STORE_MOMENT_OP = "store_moment_"
 _APPLY_UPDATE_OP = "apply_update_"
 _ADAMW_ROUNDED_OP = "adamw_rounded_"
+_NORMALIZE_ELEMENTS_OP = "normalize_elements_"
 _OPS = (_MOMENTUM_OP, _ROUNDED_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP, _LOAD_MOMENT_OP, _STORE_MOMENT_OP,
-        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP)
+        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP, _NORMALIZE_ELEMENTS_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -118,6 +119,27 @@ def adamw_rounded_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_scales:
     compiled(param, grad.contiguous(), exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count,
              None if positions is None else positions.contiguous(), step, float(lr), betas[0], betas[1], eps,
              weight_decay)
+
+
+def has_compiled_normalize_elements(device_type: str) -> bool:
+    """Whether this build has a compiled `normalize_elements_` kernel for the device type, usable here (not while
+    torch.compile traces)."""
+    return not torch.compiler.is_compiling() and _compiled_op(_NORMALIZE_ELEMENTS_OP, device_type) is not None
+
+
+def normalize_elements_(updates: Sequence[Tensor], moments: Sequence[Tensor], decays: Tensor, corrections: Tensor,
+                        one_minus_beta: float, eps: float) -> None:
+    """AdaMuon's normalization in place, one pass per tensor: moments[i] <- moments[i] * decays[i] +
+    one_minus_beta * u², then updates[i] <- u / (sqrt(moments[i] / corrections[i]) + eps), u each entry of
+    updates[i], with the roundings of that composition of torch ops. `decays`, `corrections`: one value per tensor
+    (sent to the host as float64); updates and moments (float32 or float64) contiguous, of equal shapes. Only
+    compiled: callers check `has_compiled_normalize_elements` first."""
+    compiled = _compiled_op(_NORMALIZE_ELEMENTS_OP, updates[0].device.type) if updates else None
+    if compiled is None:
+        raise RuntimeError(f"normalize_elements_: this build has no compiled kernel for these tensors "
+                           f"({ops_summary()})")
+    compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
+             one_minus_beta, eps)
 
 
 def symmetric_gram_(out: Tensor, X: Tensor, C: Tensor | None = None, alpha: float = 1.0,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import native
 from .routing import MatrixView
 
 NORMALIZATIONS: tuple[str | None, ...] = (None, "neuron", "element")
@@ -40,39 +41,55 @@ def moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(param_dtype, torch.float32)
 
 
-def squares(update: Tensor, view: MatrixView, normalization: str, dtype: torch.dtype) -> Tensor:
-    """What an update (in its parameter's layout, or a shard of it) adds to its second moment, before the mean:
-    its squares, or for "neuron" their sum along each row. A shard that holds part of a row sums only its part; the
-    caller adds the other shards' sums. The row sums are norms squared: one pass over the update, where widening,
-    squaring and summing took three (2x the time on GPT-2's bf16 updates, 2-core Xeon)."""
-    if normalization == "neuron":
-        narrower = torch.promote_types(update.dtype, dtype) != dtype  # vector_norm only widens (float64 iterations)
-        return torch.linalg.vector_norm(update.to(dtype) if narrower else update, dim=view.column_dims, keepdim=True,
-                                        dtype=dtype).square()
-    return update.to(dtype, copy=True).square_()
+def row_squares(update: Tensor, view: MatrixView, dtype: torch.dtype) -> Tensor:
+    """What an update (in its parameter's layout, or a shard of it) adds to NorMuon's second moment before the mean:
+    the sum of its squares along each row. A shard that holds part of a row sums only its part; the caller adds the
+    other shards' sums. The row sums are norms squared: one pass over the update, where widening, squaring and
+    summing took three (2x the time on GPT-2's bf16 updates, 2-core Xeon)."""
+    narrower = torch.promote_types(update.dtype, dtype) != dtype  # vector_norm only widens (float64 iterations)
+    return torch.linalg.vector_norm(update.to(dtype) if narrower else update, dim=view.column_dims, keepdim=True,
+                                    dtype=dtype).square()
 
 
-def normalize(updates: Sequence[Tensor], row_squares: Sequence[Tensor], second_moments: Sequence[Tensor],
+def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, second_moments: Sequence[Tensor],
               steps: Sequence[Tensor], skipped: Tensor, views: Sequence[MatrixView], normalization: str, beta: float,
               eps: float, bias_correction: bool) -> list[Tensor]:
     """Each parameter's orthogonalized update (in its layout) divided by sqrt(v̂) + eps, after its second moment v
-    moved toward the mean of `row_squares` (whole rows' sums, see `squares`), in place, with its step count. A
-    skipped parameter (its `skipped` entry True) has an all-zero update: its v decays by 1 and gains 0, so it and
-    its step stay exactly as they were."""
+    moved toward the mean of its squares (per row for "neuron": `row_sums`, whole rows' sums from `row_squares`;
+    per entry for "element", which takes None), in place, with its step count. A skipped parameter (its `skipped`
+    entry True) has an all-zero update: its v decays by 1 and gains 0, so it and its step stay exactly as they were.
+    Contiguous "element" updates on the CPU are normalized in place by the compiled `normalize_elements_`, in one
+    pass: the composition below took ~430 ms of AdaMuon's GPT-2-small step (2-core Xeon), its ops of mixed dtypes
+    each converting an input through a copy."""
     dtype = second_moments[0].dtype
-    means = list(row_squares)
-    if normalization == "neuron":
-        means = [total / view.cols for total, view in zip(row_squares, views)]
     decays = torch.full(skipped.shape, beta, dtype=dtype, device=skipped.device).masked_fill_(skipped, 1.0)
+    torch._foreach_add_(list(steps), list((~skipped).to(torch.float32).unbind()))
+    # clamped for a parameter every step of which was skipped: its v is 0, and 0 / eps = 0
+    corrections = ([(1.0 - torch.pow(beta, step.to(dtype))).clamp(min=1.0 - beta) for step in steps]
+                   if bias_correction else None)
+    if normalization == "element" and _normalizes_in_place(updates, second_moments):
+        native.normalize_elements_(updates, second_moments, decays,
+                                   torch.stack(corrections) if corrections else torch.ones_like(decays), 1.0 - beta,
+                                   eps)
+        return list(updates)
+    if normalization == "neuron":
+        means = [total / view.cols for total, view in zip(row_sums, views)]
+    else:
+        means = [update.to(dtype, copy=True).square_() for update in updates]
     torch._foreach_mul_(list(second_moments), list(decays.unbind()))
     torch._foreach_add_(list(second_moments), means, alpha=1.0 - beta)
-    torch._foreach_add_(list(steps), list((~skipped).to(torch.float32).unbind()))
     normalized = []
-    for update, moment, step in zip(updates, second_moments, steps):
-        if bias_correction:  # clamped for a parameter every step of which was skipped: its v is 0, and 0 / eps = 0
-            moment = moment / (1.0 - torch.pow(beta, step.to(dtype))).clamp(min=1.0 - beta)
+    for index, (update, moment) in enumerate(zip(updates, second_moments)):
+        if corrections is not None:
+            moment = moment / corrections[index]
         normalized.append((update.to(dtype) / moment.sqrt().add_(eps)).to(update.dtype))
     return normalized
+
+
+def _normalizes_in_place(updates: Sequence[Tensor], moments: Sequence[Tensor]) -> bool:
+    return (bool(updates) and native.has_compiled_normalize_elements(updates[0].device.type)
+            and all(update.is_contiguous() and moment.is_contiguous() and update.shape == moment.shape
+                    for update, moment in zip(updates, moments)))
 
 
 def rms_rule_scale(sum_of_squares: Tensor, view: MatrixView, eps: float) -> Tensor:

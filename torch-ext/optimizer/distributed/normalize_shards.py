@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..functional import MuonTensors
-from ..normalization import normalize, rms_rule_scale, second_moment_shape, squares, sum_of_squares
+from ..normalization import normalize, rms_rule_scale, row_squares, second_moment_shape, sum_of_squares
 from ..routing import MatrixView
 from . import comm
 from .dtensors import local_tensor
@@ -26,10 +26,11 @@ def normalize_shards(updates: Sequence[Tensor], items: Sequence[MuonTensors], la
     with the same parameters."""
     moments = [local_tensor(item.second_moment) for item in items]
     views = [item.view for item in items]
-    row_squares = [squares(update, view, normalization, moments[0].dtype) for update, view in zip(updates, views)]
+    row_sums = None
     if normalization == "neuron":
-        row_squares = _whole_rows(row_squares, views, layouts, rank, group)
-    normalized = normalize(updates, row_squares, moments, [item.update_step for item in items], skipped, views,
+        row_sums = _whole_rows([row_squares(update, view, moments[0].dtype) for update, view in zip(updates, views)],
+                               views, layouts, rank, group)
+    normalized = normalize(updates, row_sums, moments, [item.update_step for item in items], skipped, views,
                            normalization, beta, eps, bias_correction=not rms_rule)
     if not rms_rule:
         return normalized, None
