@@ -1,7 +1,7 @@
 """The compiled ops of this build variant: `muon_momentum_`, `muon_momentum_rounded_`, `load_moment`, `store_moment_`,
 `finite_flags` and `apply_update_`, each with a pure-PyTorch fallback of the same semantics when it is absent, and
-`symmetric_gram_` and `adamw_rounded_`, which exist only compiled (callers check `has_compiled_symmetric_gram` and
-`has_compiled_adamw_rounded`).
+`symmetric_gram_`, `adamw_rounded_` and `normalize_elements_`, which exist only compiled (callers check
+`has_compiled_symmetric_gram`, `has_compiled_adamw_rounded` and `has_compiled_normalize_elements`).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
 """
@@ -64,6 +64,12 @@ def _compiled_op(op_name: str, device_type: str) -> torch._ops.OpOverloadPacket 
     return getattr(ops, op_name) if _has_compiled_op(op_name, device_type) else None
 
 
+def _eager_op(op_name: str, device_type: str) -> torch._ops.OpOverloadPacket | None:
+    """The compiled op when it has a kernel for this device type and no torch.compile trace is running (the ops
+    that serve only eager steps)."""
+    return None if torch.compiler.is_compiling() else _compiled_op(op_name, device_type)
+
+
 @torch.compiler.assume_constant_result
 def _has_compiled_op(op_name: str, device_type: str) -> bool:
     """Fixed for the process: torch.compile takes the answer as a constant instead of tracing the dispatcher queries
@@ -100,7 +106,7 @@ def has_compiled_symmetric_gram(device_type: str) -> bool:
 def has_compiled_adamw_rounded(device_type: str) -> bool:
     """Whether this build has a compiled `adamw_rounded_` kernel for the device type, usable here (not while
     torch.compile traces)."""
-    return not torch.compiler.is_compiling() and _compiled_op(_ADAMW_ROUNDED_OP, device_type) is not None
+    return _eager_op(_ADAMW_ROUNDED_OP, device_type) is not None
 
 
 def adamw_rounded_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_scales: Tensor | None, exp_avg_sq: Tensor,
@@ -124,7 +130,7 @@ def adamw_rounded_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_scales:
 def has_compiled_normalize_elements(device_type: str) -> bool:
     """Whether this build has a compiled `normalize_elements_` kernel for the device type, usable here (not while
     torch.compile traces)."""
-    return not torch.compiler.is_compiling() and _compiled_op(_NORMALIZE_ELEMENTS_OP, device_type) is not None
+    return _eager_op(_NORMALIZE_ELEMENTS_OP, device_type) is not None
 
 
 def normalize_elements_(updates: Sequence[Tensor], moments: Sequence[Tensor], decays: Tensor, corrections: Tensor,
@@ -247,9 +253,7 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
     one pass per parameter: there torch's add_ first copies an update of another dtype to the parameter's (a
     bfloat16 update of a float32 768 x 3072 parameter: a fresh float32 copy, then the add, then the decay's own
     pass), and reads a transposed operand at a fifth of its speed. The others take the torch ops."""
-    compiled = None
-    if params and not torch.compiler.is_compiling():
-        compiled = _compiled_op(_APPLY_UPDATE_OP, params[0].device.type)
+    compiled = _eager_op(_APPLY_UPDATE_OP, params[0].device.type) if params else None
     by_op = [compiled is not None and _op_reads(param, update) for param, update in zip(params, updates)]
     served = [i for i, taken in enumerate(by_op) if taken]
     rest = [i for i, taken in enumerate(by_op) if not taken]

@@ -69,7 +69,7 @@ def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
                    if bias_correction else None)
     if normalization == "element" and _normalizes_in_place(updates, second_moments):
         native.normalize_elements_(updates, second_moments, decays,
-                                   torch.stack(corrections) if corrections else torch.ones_like(decays), 1.0 - beta,
+                                   torch.stack(corrections) if corrections is not None else torch.ones_like(decays), 1.0 - beta,
                                    eps)
         return list(updates)
     if normalization == "neuron":

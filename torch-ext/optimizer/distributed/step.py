@@ -45,17 +45,17 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         rank, world = comm.rank_and_world(group)
         layouts = [_layout(item.param, group, dims, world) for item in group_items]
         grads, everywhere = _agreed_local_grads(group_items, layouts, group)
+        flags = everywhere.unbind()
         plan = plan_spread(tuple(item.view for item in group_items), tuple(layouts), world, *iteration,
                            group_items[0].param.device.type, chunk_size, keep_banks=not rms_rule)
         _update_in_place([(item, grad, flag) for item, grad, flag, local in
-                          zip(group_items, grads, everywhere.unbind(), plan.in_place) if local],
+                          zip(group_items, grads, flags, plan.in_place) if local],
                          lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          orthogonalizer=orthogonalizer, adjust_lr_fn=adjust_lr_fn,
                          normalize_spatial=normalize_spatial, normalization=normalization,
                          normalization_beta=normalization_beta)
         if not plan.spread:
             continue
-        flags = everywhere.unbind()
         spread = [SpreadItem(group_items[j], layouts[j], item_shares, grads[j], flags[j])
                   for j, item_shares in zip(plan.spread, plan.shares)]
         settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
