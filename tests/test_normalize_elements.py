@@ -40,8 +40,8 @@ def test_equals_the_composition_it_replaces(update_dtype: torch.dtype, moment_dt
     for module in (normalization, fallback_normalization):
         updates, moments, steps = _inputs(update_dtype, moment_dtype, seed=0)
         updates[1].zero_()  # a skipped parameter's update is all zeros
-        out = module.normalize(updates, None, moments, steps, skipped, [None] * 3, "element", BETA, EPS,
-                               bias_correction)
+        out, _ = module.normalize(updates, None, moments, steps, skipped, [None] * 3, "element", BETA, EPS,
+                                  bias_correction)
         results.append((out, moments, steps))
     (ours, our_moments, our_steps), (theirs, their_moments, their_steps) = results
     assert [float(step) for step in our_steps] == [float(step) for step in their_steps] == [2.0, 3.0, 41.0]
@@ -62,8 +62,8 @@ def test_within_the_update_dtypes_rounding_of_float64(update_dtype: torch.dtype)
     corrections = [1 - BETA ** (float(step) + 1) for step in steps]
     exact = [update / ((moment / correction).sqrt() + EPS)
              for update, moment, correction in zip(exact_updates, exact_moments, corrections)]
-    out = normalization.normalize(updates, None, moments, steps, torch.zeros(3, dtype=torch.bool), [None] * 3,
-                                  "element", BETA, EPS, True)
+    out, _ = normalization.normalize(updates, None, moments, steps, torch.zeros(3, dtype=torch.bool), [None] * 3,
+                                     "element", BETA, EPS, True)
     for result, expected, moment, exact_moment in zip(out, exact, moments, exact_moments):
         # the update: its own rounding (absolute where it is subnormal) plus a few float32 ones; the moment: a few
         # float32 roundings
@@ -76,8 +76,8 @@ def test_within_the_update_dtypes_rounding_of_float64(update_dtype: torch.dtype)
 def test_the_compiled_op_serves_contiguous_cpu_updates() -> None:
     updates, moments, steps = _inputs(torch.bfloat16, torch.float32, seed=2)
     with torch.profiler.profile() as profile:
-        out = normalization.normalize(updates, None, moments, steps, torch.zeros(3, dtype=torch.bool), [None] * 3,
-                                      "element", BETA, EPS, True)
+        out, _ = normalization.normalize(updates, None, moments, steps, torch.zeros(3, dtype=torch.bool),
+                                         [None] * 3, "element", BETA, EPS, True)
     assert any(event.name.endswith("::normalize_elements_") for event in profile.events())
     assert all(result is update for result, update in zip(out, updates))  # in place
 

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -13,6 +14,12 @@ namespace {
 
 bool is_supported_dtype(c10::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+// The layouts the CPU ops read a tall matrix's Newton-Schulz result in: computed on its transpose, it is that
+// transpose's contiguous memory.
+bool is_contiguous_or_transposed(const at::Tensor& tensor) {
+  return tensor.is_contiguous() || (tensor.dim() >= 2 && tensor.mT().is_contiguous());
 }
 
 void check_tensor(const at::Tensor& tensor, const char* name, size_t index, const at::Tensor& finite) {
@@ -301,7 +308,7 @@ void check_apply_update_args(at::TensorList params, at::TensorList updates, cons
                         tensor.scalar_type(), " (expected float32, float64, bfloat16 or float16)");
     }
     TORCH_CHECK_VALUE(params[i].is_contiguous(), "apply_update_: params[", i, "] must be contiguous");
-    TORCH_CHECK_VALUE(updates[i].is_contiguous() || (updates[i].dim() >= 2 && updates[i].mT().is_contiguous()),
+    TORCH_CHECK_VALUE(is_contiguous_or_transposed(updates[i]),
                       "apply_update_: updates[", i, "] must be contiguous or the transpose of a contiguous tensor "
                       "(its last two dims swapped)");
     TORCH_CHECK_VALUE(updates[i].sizes() == params[i].sizes(), "apply_update_: updates[", i, "] has shape ",
@@ -348,6 +355,45 @@ void checked_normalize_elements(at::TensorList updates, at::TensorList moments, 
                                 const at::Tensor& corrections, double one_minus_beta, double eps) {
   check_normalize_elements_args(updates, moments, decays, corrections);
   impl(updates, moments, decays, corrections, one_minus_beta, eps);
+}
+
+void check_normalize_rows_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                               const at::Tensor& corrections, const at::Tensor& squares) {
+  const char* op = "normalize_rows_";
+  const auto count = static_cast<int64_t>(updates.size());
+  TORCH_CHECK_VALUE(moments.size() == updates.size(), op, ": moments has ", moments.size(), " tensors but updates has ",
+                    count);
+  check_host_factors(op, "decays", decays, count);
+  check_host_factors(op, "corrections", corrections, count);
+  check_host_factors(op, "squares", squares, count);
+  for (size_t i = 0; i < updates.size(); ++i) {
+    for (const auto& [name, tensor] : {std::pair{"updates", updates[i]}, std::pair{"moments", moments[i]}}) {
+      TORCH_CHECK_VALUE(tensor.device() == updates[0].device(), op, ": ", name, "[", i, "] is on ", tensor.device(),
+                        " but updates[0] is on ", updates[0].device());
+    }
+    TORCH_CHECK_VALUE(updates[i].dim() >= 2, op, ": updates[", i, "] must be (..., rows, cols), got shape ",
+                      updates[i].sizes());
+    TORCH_CHECK_VALUE(is_supported_dtype(updates[i].scalar_type()), op, ": updates[", i, "] has dtype ",
+                      updates[i].scalar_type(), " (expected float32, float64, bfloat16 or float16)");
+    TORCH_CHECK_VALUE(is_contiguous_or_transposed(updates[i]), op, ": updates[", i,
+                      "] must be contiguous or the transpose of a contiguous tensor (its last two dims swapped)");
+    TORCH_CHECK_VALUE(moments[i].scalar_type() == at::kFloat || moments[i].scalar_type() == at::kDouble, op,
+                      ": moments[", i, "] has dtype ", moments[i].scalar_type(), " (expected float32 or float64)");
+    TORCH_CHECK_VALUE(moments[i].is_contiguous(), op, ": moments[", i, "] must be contiguous");
+    const int64_t rows = updates[i].numel() / std::max<int64_t>(updates[i].size(-1), 1);
+    TORCH_CHECK_VALUE(moments[i].numel() == rows, op, ": moments[", i, "] has ", moments[i].numel(),
+                      " entries but updates[", i, "] of shape ", updates[i].sizes(), " has ", rows, " rows");
+    TORCH_CHECK_VALUE(!share_memory(updates[i], moments[i]), op, ": moments[", i, "] shares memory with updates[", i,
+                      "]");
+  }
+}
+
+template <NormalizeRowsImpl impl>
+void checked_normalize_rows(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                            const at::Tensor& corrections, double one_minus_beta, double eps,
+                            const at::Tensor& squares) {
+  check_normalize_rows_args(updates, moments, decays, corrections, squares);
+  impl(updates, moments, decays, corrections, one_minus_beta, eps, squares);
 }
 
 void check_adamw_rounded_args(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -432,9 +478,14 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "normalize_elements_(Tensor(a!)[] updates, Tensor(b!)[] moments, Tensor decays, Tensor corrections, "
       "float one_minus_beta, float eps) -> ()");
+  // NorMuon's per-row second moment and division, in place, with the result's sum of squares (see torch_binding.h).
+  ops.def(
+      "normalize_rows_(Tensor(a!)[] updates, Tensor(b!)[] moments, Tensor decays, Tensor corrections, "
+      "float one_minus_beta, float eps, Tensor(c!) squares) -> ()");
 #if defined(CPU_KERNEL)
   ops.impl("apply_update_", c10::DeviceType::CPU, &checked_apply_update<&apply_update_cpu>);
   ops.impl("normalize_elements_", c10::DeviceType::CPU, &checked_normalize_elements<&normalize_elements_cpu>);
+  ops.impl("normalize_rows_", c10::DeviceType::CPU, &checked_normalize_rows<&normalize_rows_cpu>);
   ops.impl("adamw_rounded_", c10::DeviceType::CPU, &checked_adamw_rounded<&adamw_rounded_cpu>);
   ops.impl("muon_momentum_", c10::DeviceType::CPU, &checked_muon_momentum<&muon_momentum_cpu>);
   ops.impl("muon_momentum_rounded_", c10::DeviceType::CPU,

@@ -100,6 +100,18 @@ using NormalizeElementsImpl = void (*)(at::TensorList updates, at::TensorList mo
 void normalize_elements_cpu(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
                             const at::Tensor& corrections, double one_minus_beta, double eps);
 
+// NorMuon's normalization of each row (output neuron), in place: with s the sum of a row's squares and n its length,
+// the row's moment <- moment * decays[i] + one_minus_beta * s / n, then the row <- row / (sqrt(moment /
+// corrections[i]) + eps); squares[i] <- the sum of squares of the stored result. updates[i] is (..., rows, cols),
+// contiguous or the transpose of a contiguous tensor; moments[i] float32 or float64, contiguous,
+// one entry per row; decays, corrections and squares float64, one per tensor, on the host.
+using NormalizeRowsImpl = void (*)(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                                   const at::Tensor& corrections, double one_minus_beta, double eps,
+                                   const at::Tensor& squares);
+
+void normalize_rows_cpu(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                        const at::Tensor& corrections, double one_minus_beta, double eps, const at::Tensor& squares);
+
 // One AdamW step of a parameter whose moments are stored in fewer bytes, both in the same form: bfloat16 (no scales),
 // or int8 e4m3 codes with a float32 scale per block of kRoundedBlock entries along the last dim, the second moment's
 // codes holding its square root. Read, stepped in float32 with the parameter (lr, betas, eps and decoupled

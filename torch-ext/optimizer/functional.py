@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import native
 from .newton_schulz import Orthogonalizer
-from .normalization import normalize, rms_rule_scale, row_squares, sum_of_squares, uses_rms_rule
+from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
 from .workspace import Workspace
@@ -179,21 +179,19 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         updates = [item.view.from_matrices(part, item.param.shape)
                    for item, part in zip(bucket, orthogonal.split(batches))]
         rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
+        totals = None
         if normalization is not None:
-            if device.type == "cpu":
-                # A tall bucket's results are transposed views, over which the normalizations' elementwise CPU
-                # passes ran slower than over contiguous copies (AdaMuon's GPT-2-small step: 1.12x, paired).
+            if device.type == "cpu" and normalization == "element":
+                # A tall bucket's results are transposed views, which AdaMuon's compiled pass takes only as
+                # contiguous copies (the composition over the views ran 1.12x slower, paired, GPT-2-small step).
                 updates = [update.contiguous() for update in updates]
-            dtype = bucket[0].second_moment.dtype
-            row_sums = ([row_squares(update, item.view, dtype) for update, item in zip(updates, bucket)]
-                        if normalization == "neuron" else None)
-            updates = normalize(updates, row_sums,
-                                [item.second_moment for item in bucket], [item.update_step for item in bucket],
-                                skipped, [item.view for item in bucket], normalization, normalization_beta,
-                                orthogonalizer.eps, bias_correction=not rms_rule)
+            updates, totals = normalize(updates, None, [item.second_moment for item in bucket],
+                                        [item.update_step for item in bucket], skipped,
+                                        [item.view for item in bucket], normalization, normalization_beta,
+                                        orthogonalizer.eps, bias_correction=not rms_rule, sums_of_squares=rms_rule)
         step_sizes = []
-        for item, update in zip(bucket, updates):
-            rms_scale = rms_rule_scale(sum_of_squares(update), item.view, orthogonalizer.eps) if rms_rule else None
+        for index, (item, update) in enumerate(zip(bucket, updates)):
+            rms_scale = rms_rule_scale(totals[index], item.view, orthogonalizer.eps) if rms_rule else None
             step_sizes.append(-update_step_size(lr, adjust_lr_fn, item.view, normalize_spatial, rms_scale))
         decay = decay_factors(skipped, lr, weight_decay, params[0].dtype) if weight_decay != 0 else None
         native.apply_update_(params, updates, decay, step_sizes)

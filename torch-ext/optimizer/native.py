@@ -1,7 +1,8 @@
 """The compiled ops of this build variant: `muon_momentum_`, `muon_momentum_rounded_`, `load_moment`, `store_moment_`,
 `finite_flags` and `apply_update_`, each with a pure-PyTorch fallback of the same semantics when it is absent, and
-`symmetric_gram_`, `adamw_rounded_` and `normalize_elements_`, which exist only compiled (callers check
-`has_compiled_symmetric_gram`, `has_compiled_adamw_rounded` and `has_compiled_normalize_elements`).
+`symmetric_gram_`, `adamw_rounded_`, `normalize_elements_` and `normalize_rows_`, which exist only compiled (callers
+check `has_compiled_symmetric_gram`, `has_compiled_adamw_rounded`, `has_compiled_normalize_elements` and
+`has_compiled_normalize_rows`).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
 """
@@ -34,8 +35,9 @@ _STORE_MOMENT_OP = "store_moment_"
 _APPLY_UPDATE_OP = "apply_update_"
 _ADAMW_ROUNDED_OP = "adamw_rounded_"
 _NORMALIZE_ELEMENTS_OP = "normalize_elements_"
+_NORMALIZE_ROWS_OP = "normalize_rows_"
 _OPS = (_MOMENTUM_OP, _ROUNDED_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP, _LOAD_MOMENT_OP, _STORE_MOMENT_OP,
-        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP, _NORMALIZE_ELEMENTS_OP)
+        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP, _NORMALIZE_ELEMENTS_OP, _NORMALIZE_ROWS_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -146,6 +148,30 @@ def normalize_elements_(updates: Sequence[Tensor], moments: Sequence[Tensor], de
                            f"({ops_summary()})")
     compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
              one_minus_beta, eps)
+
+
+def has_compiled_normalize_rows(device_type: str) -> bool:
+    """Whether this build has a compiled `normalize_rows_` kernel for the device type, usable here (not while
+    torch.compile traces)."""
+    return _eager_op(_NORMALIZE_ROWS_OP, device_type) is not None
+
+
+def normalize_rows_(updates: Sequence[Tensor], moments: Sequence[Tensor], decays: Tensor, corrections: Tensor,
+                    one_minus_beta: float, eps: float) -> Tensor:
+    """NorMuon's normalization in place, one parallel pass per tensor: with s the sum of squares of a row of
+    updates[i] and n its length, the row's entry of moments[i] <- moment * decays[i] + one_minus_beta * s / n, then
+    the row <- row / (sqrt(moment / corrections[i]) + eps). updates[i] is (..., rows, cols), contiguous or the
+    transpose of a contiguous tensor (a tall matrix's Newton-Schulz result); moments[i] (float32 or float64)
+    contiguous, one entry per row. `decays`, `corrections`: one value per tensor (sent to the host as float64).
+    Returns each normalized update's sum of squares (float64, on the CPU), which the RMS rule scales by. Only
+    compiled: callers check `has_compiled_normalize_rows` first."""
+    compiled = _compiled_op(_NORMALIZE_ROWS_OP, updates[0].device.type) if updates else None
+    if compiled is None:
+        raise RuntimeError(f"normalize_rows_: this build has no compiled kernel for these tensors ({ops_summary()})")
+    squares = torch.empty(len(updates), dtype=torch.float64)
+    compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
+             one_minus_beta, eps, squares)
+    return squares
 
 
 def symmetric_gram_(out: Tensor, X: Tensor, C: Tensor | None = None, alpha: float = 1.0,
@@ -272,8 +298,13 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
 def _op_reads(param: Tensor, update: Tensor) -> bool:
     """Whether the compiled op takes this pair: a contiguous parameter, an update of its shape laid out flat or
     transposed."""
-    laid_out = update.is_contiguous() or (update.dim() >= 2 and update.mT.is_contiguous())
-    return param.is_contiguous() and update.shape == param.shape and laid_out
+    return param.is_contiguous() and update.shape == param.shape and is_contiguous_or_transposed(update)
+
+
+def is_contiguous_or_transposed(tensor: Tensor) -> bool:
+    """The layouts the CPU ops read a tall matrix's Newton-Schulz result in: computed on its transpose, it is that
+    transpose's contiguous memory."""
+    return tensor.is_contiguous() or (tensor.ndim >= 2 and tensor.mT.is_contiguous())
 
 
 def _add_scaled_(param: Tensor, update: Tensor, step_size: float | Tensor) -> None:

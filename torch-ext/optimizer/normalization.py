@@ -53,26 +53,45 @@ def row_squares(update: Tensor, view: MatrixView, dtype: torch.dtype) -> Tensor:
 
 def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, second_moments: Sequence[Tensor],
               steps: Sequence[Tensor], skipped: Tensor, views: Sequence[MatrixView], normalization: str, beta: float,
-              eps: float, bias_correction: bool) -> list[Tensor]:
+              eps: float, bias_correction: bool, sums_of_squares: bool = False) -> tuple[list[Tensor], Tensor | None]:
     """Each parameter's orthogonalized update (in its layout) divided by sqrt(v̂) + eps, after its second moment v
-    moved toward the mean of its squares (per row for "neuron": `row_sums`, whole rows' sums from `row_squares`;
-    per entry for "element", which takes None), in place, with its step count. A skipped parameter (its `skipped`
-    entry True) has an all-zero update: its v decays by 1 and gains 0, so it and its step stay exactly as they were.
-    Contiguous "element" updates on the CPU are normalized in place by the compiled `normalize_elements_`, in one
-    pass: the composition below took ~430 ms of AdaMuon's GPT-2-small step (2-core Xeon), its ops of mixed dtypes
-    each converting an input through a copy."""
+    moved toward the mean of its squares (per row for "neuron", per entry for "element"), in place, with its step
+    count. A skipped parameter (its `skipped` entry True) has an all-zero update: its v decays by 1 and gains 0, so it
+    and its step stay exactly as they were. Returns the normalized updates and, with `sums_of_squares`, each one's
+    ‖U‖² as an (N,) tensor (what the RMS rule scales by), else None.
+
+    `row_sums` ("neuron" only): whole rows' sums from `row_squares`, for updates that are shards of their rows; None
+    where every update holds whole rows (then "element" too). On the CPU the compiled passes serve where they can:
+    `normalize_rows_` ("neuron", row_sums None, whole matrices, straight or transposed) and `normalize_elements_`
+    ("element", contiguous updates), in place. The composition below took ~300 ms of NorMuon's and ~430 ms of
+    AdaMuon's GPT-2-small step (2-core Xeon), its ops of mixed dtypes each converting an input through a copy."""
     dtype = second_moments[0].dtype
     decays = torch.full(skipped.shape, beta, dtype=dtype, device=skipped.device).masked_fill_(skipped, 1.0)
     torch._foreach_add_(list(steps), list((~skipped).to(torch.float32).unbind()))
     # clamped for a parameter every step of which was skipped: its v is 0, and 0 / eps = 0
     corrections = ([(1.0 - torch.pow(beta, step.to(dtype))).clamp(min=1.0 - beta) for step in steps]
                    if bias_correction else None)
+    host_corrections = torch.stack(corrections) if corrections is not None else torch.ones_like(decays)
+    if normalization == "neuron" and row_sums is None and _normalizes_rows_in_place(updates, second_moments, views):
+        totals = native.normalize_rows_(updates, second_moments, decays, host_corrections, 1.0 - beta, eps)
+        return list(updates), totals if sums_of_squares else None
     if normalization == "element" and _normalizes_in_place(updates, second_moments):
-        native.normalize_elements_(updates, second_moments, decays,
-                                   torch.stack(corrections) if corrections is not None else torch.ones_like(decays), 1.0 - beta,
-                                   eps)
-        return list(updates)
+        native.normalize_elements_(updates, second_moments, decays, host_corrections, 1.0 - beta, eps)
+        normalized = list(updates)
+    else:
+        normalized = _composed(updates, row_sums, second_moments, decays, corrections, views, normalization, beta,
+                               eps)
+    return normalized, torch.stack([sum_of_squares(update) for update in normalized]) if sums_of_squares else None
+
+
+def _composed(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, second_moments: Sequence[Tensor],
+              decays: Tensor, corrections: Sequence[Tensor] | None, views: Sequence[MatrixView], normalization: str,
+              beta: float, eps: float) -> list[Tensor]:
+    """`normalize` in torch ops: every device, dtype and layout, and shards of rows."""
+    dtype = second_moments[0].dtype
     if normalization == "neuron":
+        if row_sums is None:
+            row_sums = [row_squares(update, view, dtype) for update, view in zip(updates, views)]
         means = [total / view.cols for total, view in zip(row_sums, views)]
     else:
         means = [update.to(dtype, copy=True).square_() for update in updates]
@@ -84,6 +103,17 @@ def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
             moment = moment / corrections[index]
         normalized.append((update.to(dtype) / moment.sqrt().add_(eps)).to(update.dtype))
     return normalized
+
+
+def _normalizes_rows_in_place(updates: Sequence[Tensor], moments: Sequence[Tensor],
+                              views: Sequence[MatrixView]) -> bool:
+    """Whether `normalize_rows_` takes these updates: whole matrices (rows along the next-to-last dim), laid out
+    straight or transposed, on a device it is compiled for."""
+    return (bool(updates) and native.has_compiled_normalize_rows(updates[0].device.type)
+            and all(view.row_dim == update.ndim - 2 and view.column_dims == (update.ndim - 1,)
+                    and native.is_contiguous_or_transposed(update) and moment.is_contiguous()
+                    and moment.numel() * view.cols == update.numel()
+                    for update, moment, view in zip(updates, moments, views)))
 
 
 def _normalizes_in_place(updates: Sequence[Tensor], moments: Sequence[Tensor]) -> bool:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..functional import MuonTensors
-from ..normalization import normalize, rms_rule_scale, row_squares, second_moment_shape, sum_of_squares
+from ..normalization import normalize, rms_rule_scale, row_squares, second_moment_shape
 from ..routing import MatrixView
 from . import comm
 from .dtensors import local_tensor
@@ -30,11 +30,10 @@ def normalize_shards(updates: Sequence[Tensor], items: Sequence[MuonTensors], la
     if normalization == "neuron":
         row_sums = _whole_rows([row_squares(update, view, moments[0].dtype) for update, view in zip(updates, views)],
                                views, layouts, rank, group)
-    normalized = normalize(updates, row_sums, moments, [item.update_step for item in items], skipped, views,
-                           normalization, beta, eps, bias_correction=not rms_rule)
-    if not rms_rule:
+    normalized, totals = normalize(updates, row_sums, moments, [item.update_step for item in items], skipped, views,
+                                   normalization, beta, eps, bias_correction=not rms_rule, sums_of_squares=rms_rule)
+    if totals is None:
         return normalized, None
-    totals = torch.stack([sum_of_squares(update) for update in normalized])
     if any(layout.is_sharded for layout in layouts):
         counted = torch.tensor([layout.counts_once(rank) for layout in layouts], device=totals.device)
         totals = comm.all_reduce_sum_(totals * counted, group)
