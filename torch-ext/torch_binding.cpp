@@ -325,28 +325,38 @@ void checked_apply_update(at::TensorList params, at::TensorList updates, const a
   impl(params, updates, decay, step_sizes);
 }
 
-void check_normalize_elements_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
-                                   const at::Tensor& corrections) {
+// The rules both normalization ops share: one moment per update, a decay and a correction per update on the host, one
+// device, a supported update dtype, float32 or float64 moments that share no memory with their update.
+void check_normalization_args(const char* op, at::TensorList updates, at::TensorList moments,
+                              const at::Tensor& decays, const at::Tensor& corrections) {
   const auto count = static_cast<int64_t>(updates.size());
-  TORCH_CHECK_VALUE(moments.size() == updates.size(), "normalize_elements_: moments has ", moments.size(),
-                    " tensors but updates has ", count);
-  check_host_factors("normalize_elements_", "decays", decays, count);
-  check_host_factors("normalize_elements_", "corrections", corrections, count);
+  TORCH_CHECK_VALUE(moments.size() == updates.size(), op, ": moments has ", moments.size(), " tensors but updates has ",
+                    count);
+  check_host_factors(op, "decays", decays, count);
+  check_host_factors(op, "corrections", corrections, count);
   for (size_t i = 0; i < updates.size(); ++i) {
     for (const auto& [name, tensor] : {std::pair{"updates", updates[i]}, std::pair{"moments", moments[i]}}) {
-      TORCH_CHECK_VALUE(tensor.device() == updates[0].device(), "normalize_elements_: ", name, "[", i, "] is on ",
-                        tensor.device(), " but updates[0] is on ", updates[0].device());
+      TORCH_CHECK_VALUE(tensor.device() == updates[0].device(), op, ": ", name, "[", i, "] is on ", tensor.device(),
+                        " but updates[0] is on ", updates[0].device());
+    }
+    TORCH_CHECK_VALUE(is_supported_dtype(updates[i].scalar_type()), op, ": updates[", i, "] has dtype ",
+                      updates[i].scalar_type(), " (expected float32, float64, bfloat16 or float16)");
+    TORCH_CHECK_VALUE(moments[i].scalar_type() == at::kFloat || moments[i].scalar_type() == at::kDouble, op,
+                      ": moments[", i, "] has dtype ", moments[i].scalar_type(), " (expected float32 or float64)");
+    TORCH_CHECK_VALUE(!share_memory(updates[i], moments[i]), op, ": moments[", i, "] shares memory with updates[", i,
+                      "]");
+  }
+}
+
+void check_normalize_elements_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
+                                   const at::Tensor& corrections) {
+  check_normalization_args("normalize_elements_", updates, moments, decays, corrections);
+  for (size_t i = 0; i < updates.size(); ++i) {
+    for (const auto& [name, tensor] : {std::pair{"updates", updates[i]}, std::pair{"moments", moments[i]}}) {
       TORCH_CHECK_VALUE(tensor.is_contiguous(), "normalize_elements_: ", name, "[", i, "] must be contiguous");
     }
-    TORCH_CHECK_VALUE(is_supported_dtype(updates[i].scalar_type()), "normalize_elements_: updates[", i,
-                      "] has dtype ", updates[i].scalar_type(), " (expected float32, float64, bfloat16 or float16)");
-    TORCH_CHECK_VALUE(moments[i].scalar_type() == at::kFloat || moments[i].scalar_type() == at::kDouble,
-                      "normalize_elements_: moments[", i, "] has dtype ", moments[i].scalar_type(),
-                      " (expected float32 or float64)");
     TORCH_CHECK_VALUE(moments[i].sizes() == updates[i].sizes(), "normalize_elements_: moments[", i, "] has shape ",
                       moments[i].sizes(), " but updates[", i, "] has shape ", updates[i].sizes());
-    TORCH_CHECK_VALUE(!share_memory(updates[i], moments[i]), "normalize_elements_: moments[", i,
-                      "] shares memory with updates[", i, "]");
   }
 }
 
@@ -360,31 +370,17 @@ void checked_normalize_elements(at::TensorList updates, at::TensorList moments, 
 void check_normalize_rows_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
                                const at::Tensor& corrections, const at::Tensor& squares) {
   const char* op = "normalize_rows_";
-  const auto count = static_cast<int64_t>(updates.size());
-  TORCH_CHECK_VALUE(moments.size() == updates.size(), op, ": moments has ", moments.size(), " tensors but updates has ",
-                    count);
-  check_host_factors(op, "decays", decays, count);
-  check_host_factors(op, "corrections", corrections, count);
-  check_host_factors(op, "squares", squares, count);
+  check_normalization_args(op, updates, moments, decays, corrections);
+  check_host_factors(op, "squares", squares, static_cast<int64_t>(updates.size()));
   for (size_t i = 0; i < updates.size(); ++i) {
-    for (const auto& [name, tensor] : {std::pair{"updates", updates[i]}, std::pair{"moments", moments[i]}}) {
-      TORCH_CHECK_VALUE(tensor.device() == updates[0].device(), op, ": ", name, "[", i, "] is on ", tensor.device(),
-                        " but updates[0] is on ", updates[0].device());
-    }
     TORCH_CHECK_VALUE(updates[i].dim() >= 2, op, ": updates[", i, "] must be (..., rows, cols), got shape ",
                       updates[i].sizes());
-    TORCH_CHECK_VALUE(is_supported_dtype(updates[i].scalar_type()), op, ": updates[", i, "] has dtype ",
-                      updates[i].scalar_type(), " (expected float32, float64, bfloat16 or float16)");
     TORCH_CHECK_VALUE(is_contiguous_or_transposed(updates[i]), op, ": updates[", i,
                       "] must be contiguous or the transpose of a contiguous tensor (its last two dims swapped)");
-    TORCH_CHECK_VALUE(moments[i].scalar_type() == at::kFloat || moments[i].scalar_type() == at::kDouble, op,
-                      ": moments[", i, "] has dtype ", moments[i].scalar_type(), " (expected float32 or float64)");
     TORCH_CHECK_VALUE(moments[i].is_contiguous(), op, ": moments[", i, "] must be contiguous");
     const int64_t rows = updates[i].numel() / std::max<int64_t>(updates[i].size(-1), 1);
     TORCH_CHECK_VALUE(moments[i].numel() == rows, op, ": moments[", i, "] has ", moments[i].numel(),
                       " entries but updates[", i, "] of shape ", updates[i].sizes(), " has ", rows, " rows");
-    TORCH_CHECK_VALUE(!share_memory(updates[i], moments[i]), op, ": moments[", i, "] shares memory with updates[", i,
-                      "]");
   }
 }
 

@@ -71,17 +71,22 @@ def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
     # clamped for a parameter every step of which was skipped: its v is 0, and 0 / eps = 0
     corrections = ([(1.0 - torch.pow(beta, step.to(dtype))).clamp(min=1.0 - beta) for step in steps]
                    if bias_correction else None)
-    host_corrections = torch.stack(corrections) if corrections is not None else torch.ones_like(decays)
     if normalization == "neuron" and row_sums is None and _normalizes_rows_in_place(updates, second_moments, views):
-        totals = native.normalize_rows_(updates, second_moments, decays, host_corrections, 1.0 - beta, eps)
+        totals = native.normalize_rows_(updates, second_moments, decays, _stacked(corrections, decays), 1.0 - beta,
+                                        eps)
         return list(updates), totals if sums_of_squares else None
     if normalization == "element" and _normalizes_in_place(updates, second_moments):
-        native.normalize_elements_(updates, second_moments, decays, host_corrections, 1.0 - beta, eps)
+        native.normalize_elements_(updates, second_moments, decays, _stacked(corrections, decays), 1.0 - beta, eps)
         normalized = list(updates)
     else:
         normalized = _composed(updates, row_sums, second_moments, decays, corrections, views, normalization, beta,
                                eps)
     return normalized, torch.stack([sum_of_squares(update) for update in normalized]) if sums_of_squares else None
+
+
+def _stacked(corrections: Sequence[Tensor] | None, decays: Tensor) -> Tensor:
+    """The compiled passes' corrections, one per parameter: ones where there is no bias correction."""
+    return torch.stack(corrections) if corrections is not None else torch.ones_like(decays)
 
 
 def _composed(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, second_moments: Sequence[Tensor],
