@@ -1,9 +1,11 @@
 """The Newton-Schulz dtype each device runs by default, decided from the CPU's matrix instructions (faked here for
-every machine kind: AMX, AVX512-BF16 only, neither, non-x86) or the GPU's compute capability; the warning for an
+every machine kind: AMX, AVX512-BF16 only on AMD and on Intel, neither, non-x86; and capped by ONEDNN_MAX_CPU_ISA) or
+the GPU's compute capability; the warning for an
 explicit dtype the CPU multiplies slowly; the optimizer's repr saying what None resolves to."""
 
 from __future__ import annotations
 
+import os
 import platform
 import warnings
 from pathlib import Path
@@ -16,8 +18,9 @@ from kernel_under_test import optimizer, submodule
 precision = submodule(optimizer, "precision")
 
 
-def fake_cpu(monkeypatch: pytest.MonkeyPatch, *units: str) -> None:
+def fake_cpu(monkeypatch: pytest.MonkeyPatch, *units: str, vendor: str = "AuthenticAMD") -> None:
     monkeypatch.setattr(precision, "cpu_matrix_units", lambda: frozenset(units))
+    monkeypatch.setattr(precision, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(precision, "_warned", set())
 
 
@@ -29,18 +32,59 @@ def linux_cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split())
 
 
-@pytest.mark.parametrize("units, expected", [
-    (("amx_bf16", "avx512_bf16"), torch.bfloat16),  # Sapphire Rapids
-    (("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16"), torch.bfloat16),  # Granite Rapids: bf16's range wins
-    (("avx512_bf16",), torch.bfloat16),  # AMD Zen 4/5
-    ((), torch.float32),  # AVX2-only CPUs, and non-x86 ones
+@pytest.mark.parametrize("units, vendor, expected", [
+    (("amx_bf16", "avx512_bf16"), "GenuineIntel", torch.bfloat16),  # Sapphire Rapids
+    (("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16"), "GenuineIntel", torch.bfloat16),  # Granite Rapids
+    (("avx512_bf16",), "AuthenticAMD", torch.bfloat16),  # Zen 4/5
+    (("avx512_bf16",), "GenuineIntel", torch.float32),  # Cooper Lake; Sapphire Rapids with AMX off
+    (("avx512_bf16", "avx512_fp16"), "GenuineIntel", torch.float32),  # the same with oneDNN capped below AMX
+    ((), "AuthenticAMD", torch.float32),  # AVX2-only CPUs
+    ((), "", torch.float32),  # non-x86 CPUs
 ])
-def test_cpu_rule(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...], expected: torch.dtype) -> None:
-    fake_cpu(monkeypatch, *units)
+def test_cpu_rule(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...], vendor: str, expected: torch.dtype) -> None:
+    fake_cpu(monkeypatch, *units, vendor=vendor)
     choice = optimizer.ns_dtype_choice("cpu")
     assert choice.dtype == expected == optimizer.default_ns_dtype(torch.device("cpu"))
-    assert ("AMX" in choice.reason) == ("amx_bf16" in units or not units)
-    assert ("AVX512-BF16" in choice.reason) == (units == ("avx512_bf16",) or not units)
+    assert ("AMX bf16 tiles" in choice.reason) == ("amx_bf16" in units)  # it says why
+    assert ("AVX512-BF16" in choice.reason) == ("amx_bf16" not in units)
+    assert ("on AMD cores" in choice.reason) == ("avx512_bf16" in units and "amx_bf16" not in units
+                                                 and vendor == "AuthenticAMD")
+
+
+def test_units_are_what_onednn_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ONEDNN_MAX_CPU_ISA keeps torch's 16-bit products off the instructions above the named set (on this project's
+    # AMX Xeon, =AVX512_CORE_BF16 made bf16 2048x2048 products 11x slower): the rule must not count on those.
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: True)
+    monkeypatch.setattr(precision, "_linux_cpu_flags", lambda: {"avx512_fp16"})
+    everything = frozenset(precision.CPU_MATRIX_UNITS)
+    for variable, value, expected in [
+        (None, None, everything), ("ONEDNN_MAX_CPU_ISA", "ALL", everything),
+        ("ONEDNN_MAX_CPU_ISA", "no_such_isa", everything),  # oneDNN ignores names it does not know
+        ("ONEDNN_MAX_CPU_ISA", "avx512_core_amx", everything - {"amx_fp16"}),
+        ("ONEDNN_MAX_CPU_ISA", "AVX10_1_512", {"avx512_bf16", "avx512_fp16"}),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", {"avx512_bf16"}), ("DNNL_MAX_CPU_ISA", "AVX2", set()),
+    ]:
+        for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+            monkeypatch.delenv(name, raising=False)
+        if variable is not None:
+            monkeypatch.setenv(variable, value)
+        precision.cpu_matrix_units.cache_clear()
+        try:
+            assert precision.cpu_matrix_units() == expected, (variable, value)
+        finally:
+            precision.cpu_matrix_units.cache_clear()
+
+
+def test_the_vendor_comes_from_platform_without_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(precision, "_linux_cpuinfo_lines", lambda: [])
+    monkeypatch.setattr(platform, "processor", lambda: "AMD64 Family 25 Model 17 Stepping 1, AuthenticAMD")
+    precision.cpu_vendor.cache_clear()
+    try:
+        assert precision.cpu_vendor() == "AuthenticAMD"
+    finally:
+        precision.cpu_vendor.cache_clear()
 
 
 def test_non_x86_cpus_report_no_x86_units(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,8 +101,13 @@ def test_this_cpus_units_are_what_the_kernel_reports() -> None:
     # Linux names the same instruction sets in /proc/cpuinfo; torch's probes (and ours) must agree with it.
     if platform.machine() != "x86_64":
         pytest.skip("x86 flags only")
+    if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
+        pytest.skip("oneDNN capped in this environment")
     flags = linux_cpu_flags()
     assert precision.cpu_matrix_units() == frozenset(set(precision.CPU_MATRIX_UNITS) & flags)
+    vendor = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("vendor_id"))
+    assert precision.cpu_vendor() == vendor
 
 
 def test_the_choice_is_the_same_every_time() -> None:

@@ -1,10 +1,15 @@
 """Which dtype each device multiplies matrices fastest in: the Newton-Schulz default, and a warning for slow choices.
 
-On CPUs the answer is read from the matrix instructions the CPU has, not timed: a probe would make the default (and
-so the results) depend on how busy the machine was, and the gaps are far wider than any timer's noise. Measured with
-torch 2.13's CPU kernels, 2048x2048 `torch.mm`:
+On CPUs the answer is read from the matrix instructions the CPU has (those oneDNN, which runs torch's 16-bit CPU
+products, is allowed to use) and its vendor, not timed: a probe would make the default (and so the results) depend on
+how busy the machine was, and the gaps are far wider than any timer's noise. Measured with torch 2.13's CPU kernels,
+2048x2048 `torch.mm`:
   - AMX (Sapphire Rapids, 2 cores): bf16 ~1.6 TFLOP/s against fp32 ~0.27, 6x faster;
-  - AVX512-BF16 without AMX (AMD EPYC, 2 cores): bf16 20 ms against fp32 89 ms, 4.4x faster;
+  - AVX512-BF16 without AMX on AMD (EPYC, 2 cores): bf16 20 ms against fp32 89 ms, 4.4x faster;
+  - AVX512-BF16 without AMX on Intel (the same Sapphire Rapids cores with oneDNN kept off AMX by
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16): bf16 74 ms against fp32 42 ms, 1.8x slower. Intel cores issue one 512-bit
+    bf16 dot product (32 multiply-adds) per cycle where they issue two fp32 FMAs (16 each): no faster on paper, and
+    the conversions make bf16 lose. AMD's Zen 4/5 issue the bf16 dot products at twice their fp32 FMA rate;
   - neither (AMD EPYC with AVX2 only): bf16 58 s against fp32 97 ms (another such CPU: 3x slower), so fp32;
   - float16 without AMX-FP16 or AVX512-FP16 runs a reference kernel (67 s at 2048 on the AVX512-BF16 machine).
 """
@@ -12,6 +17,7 @@ torch 2.13's CPU kernels, 2048x2048 `torch.mm`:
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import sys
 import warnings
@@ -37,25 +43,51 @@ class NsDtypeChoice(NamedTuple):
     reason: str
 
 
+# ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA before oneDNN 2.5) keeps oneDNN off the instructions above the named set: the
+# units each name leaves it. "ALL", "DEFAULT", the sets above AMX, and names oneDNN does not know (it ignores them)
+# leave all of them.
+_ONEDNN_ISA_UNITS: dict[str, frozenset[str]] = {
+    **dict.fromkeys(("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"),
+                    frozenset()),
+    "AVX512_CORE_BF16": frozenset({"avx512_bf16"}),
+    **dict.fromkeys(("AVX512_CORE_FP16", "AVX10_1_512"), frozenset({"avx512_bf16", "avx512_fp16"})),
+    **dict.fromkeys(("AVX512_CORE_AMX", "AVX10_1_512_AMX"), frozenset({"amx_bf16", "avx512_bf16", "avx512_fp16"})),
+}
+
+
 @functools.cache
 @torch.compiler.disable  # torch's probes cannot be traced; a compiled step reads the choice as a constant
 def cpu_matrix_units() -> frozenset[str]:
-    """Which of CPU_MATRIX_UNITS this CPU has: torch's own probes, and /proc/cpuinfo for AVX512-FP16 (which torch does
-    not probe). Empty on non-x86 CPUs."""
+    """Which of CPU_MATRIX_UNITS this CPU has and oneDNN may use: torch's own probes, /proc/cpuinfo for AVX512-FP16
+    (which torch does not probe), less what ONEDNN_MAX_CPU_ISA rules out. Empty on non-x86 CPUs."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
         return frozenset()
     found = {"amx_bf16": torch.cpu._is_amx_tile_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
              "amx_fp16": torch.cpu._is_amx_fp16_supported(), "avx512_fp16": "avx512_fp16" in _linux_cpu_flags()}
-    return frozenset(unit for unit, present in found.items() if present)
+    isa_cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    allowed = _ONEDNN_ISA_UNITS.get(isa_cap, frozenset(CPU_MATRIX_UNITS))
+    return frozenset(unit for unit, present in found.items() if present and unit in allowed)
+
+
+@functools.cache
+@torch.compiler.disable
+def cpu_vendor() -> str:
+    """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...): /proc/cpuinfo's, else what `platform` reports."""
+    vendor = next((line.partition(":")[2].strip() for line in _linux_cpuinfo_lines() if line.startswith("vendor_id")),
+                  "")
+    return vendor or next((name for name in ("GenuineIntel", "AuthenticAMD") if name in platform.processor()), "")
 
 
 def _linux_cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    line = next((line for line in _linux_cpuinfo_lines() if line.startswith("flags")), "")
     return set(line.partition(":")[2].split())
+
+
+def _linux_cpuinfo_lines() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
 
 
 def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
@@ -65,8 +97,13 @@ def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
         units = cpu_matrix_units()
         if "amx_bf16" in units:
             return NsDtypeChoice(torch.bfloat16, "the CPU has AMX bf16 tiles (bf16 products ~6x fp32's speed)")
+        if "avx512_bf16" in units and cpu_vendor() == "AuthenticAMD":
+            return NsDtypeChoice(torch.bfloat16, "the CPU has AVX512-BF16 on AMD cores (bf16 products ~4x fp32's "
+                                                 "speed)")
         if "avx512_bf16" in units:
-            return NsDtypeChoice(torch.bfloat16, "the CPU has AVX512-BF16 (bf16 products ~4x fp32's speed)")
+            return NsDtypeChoice(torch.float32, "the CPU has AVX512-BF16 without AMX, on cores other than AMD's: "
+                                                "Intel's issue bf16 dot products at their fp32 rate (bf16 products "
+                                                "~1.8x slower)")
         return NsDtypeChoice(torch.float32, "the CPU has no bf16 matrix instructions (AMX, AVX512-BF16): bf16 "
                                             "products are emulated there, 3x to 600x slower than fp32")
     if device.type == "cuda":
