@@ -229,6 +229,30 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype
     return rows
 
 
+def bench_buckets(optimizer, device: torch.device, ns_dtype: torch.dtype, repeats: int) -> list[Row]:
+    """Five Newton-Schulz steps on GPT-2 small's stacks of same-shape matrices, as the optimizer runs them (batched,
+    its workspace reused from call to call), by each backend, side by side: what decides the CPU dispatcher's choice
+    for 16-bit products, which single matrices do not show. The baseline is the "torch" backend."""
+    module = importlib.import_module(f"{optimizer.__name__}.newton_schulz")
+    coefficients = importlib.import_module(f"{optimizer.__name__}.coefficients").resolve_coefficients(
+        "polar_express", 5, None)
+    workspace = importlib.import_module(f"{optimizer.__name__}.workspace").Workspace()
+    backends = _dispatch(optimizer).available_backends(ns_dtype, device)
+    rows = []
+    for shape in [(GPT2_BLOCKS, 768, 3072), (GPT2_BLOCKS, 768, 768)]:
+        G = torch.randn(shape, device=device, dtype=ns_dtype)
+        runs = [lambda backend=backend: module.newton_schulz(G.clone(), coefficients, 1e-7, backend, ns_dtype,
+                                                             overwrite_input=True, workspace=workspace)
+                for backend in backends]
+        times = paired_medians_ms(runs, device, repeats)
+        case = f"GPT-2 bucket {shape} {str(ns_dtype).removeprefix('torch.')} 5 steps"
+        flop = shape[0] * newton_schulz_flop(shape[1], shape[2], 5)
+        auto = optimizer.kernel_choice(shape, ns_dtype, device)
+        rows += [Row("zeropower", case, f"stack backend={backend}" + (" (auto)" if backend == auto else ""), ms, flop,
+                     times[0]) for backend, ms in zip(backends, times)]
+    return rows
+
+
 def _aol_row(optimizer, G: torch.Tensor, ns_dtype: torch.dtype, case: str, flop: float, baseline: float,
              repeats: int) -> Row:
     """AOL-preconditioned Newton-Schulz with one step fewer (4), standard algorithm, with both iterations' distance
@@ -690,6 +714,8 @@ def main() -> None:
         if device.type == "cuda":
             rows += bench_zeropower(optimizer, device, ns_dtypes, torch_dtype, ns_shapes, args.repeats,
                                     compiled_reference=True)
+        else:
+            rows += bench_buckets(optimizer, device, choice.dtype, args.repeats)
     if "step" in sections:
         step_rows, step_notes = bench_step(optimizer, device, torch_dtype, args.repeats)
         rows += step_rows

@@ -58,11 +58,15 @@ def test_backend_that_cannot_run_here_is_named() -> None:
         optimizer.gram(X, backend="blas")
 
 
-def test_kernel_choice_by_device_dtype_and_shape() -> None:
+@pytest.mark.parametrize("units", [("amx_bf16", "avx512_bf16"), ("avx512_bf16",), ()])
+def test_kernel_choice_by_device_dtype_and_shape(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...]) -> None:
+    monkeypatch.setattr(dispatch, "cpu_matrix_units", lambda: frozenset(units))
     small, large = (64, 256), (dispatch.CPU_MIN_ROWS, 2 * dispatch.CPU_MIN_ROWS)
-    assert optimizer.kernel_choice(small, torch.float32, "cpu") == "torch"
-    assert optimizer.kernel_choice(large, torch.float32, "cpu") == "cpu"
-    assert optimizer.kernel_choice(large, torch.bfloat16, "cpu") == "torch"  # the CPU BLAS wins in 16-bit
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        assert optimizer.kernel_choice(small, dtype, "cpu") == "torch"
+        # 16-bit products on AMX tiles: the BLAS's full product beats the op's panels; everywhere else the op wins.
+        wins = dtype in (torch.float32, torch.float64) or "amx_bf16" not in units
+        assert optimizer.kernel_choice(large, dtype, "cpu") == ("cpu" if wins else "torch"), dtype
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (7, 5), None])

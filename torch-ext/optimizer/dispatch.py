@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import native
+from .precision import cpu_matrix_units, cuda_capability
 from .triton_kernels import TRITON_AVAILABLE, ba_plus_caa, xxt
 
 BACKENDS: tuple[str, ...] = ("torch", "cpu", "cuda", "triton")
@@ -33,9 +34,16 @@ TRITON_MIN_ROWS: dict[tuple[int, int], int] = {(9, 0): 8192}
 
 _COMPILED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# In 16-bit dtypes the CPU BLAS (AMX) is so fast that the tiles' extra passes eat the saving: `make bench` measured
-# the compiled op slower than torch.mm on bf16 Newton-Schulz buckets, so it is chosen automatically only here.
-_CPU_FAST_DTYPES = (torch.float32, torch.float64)
+
+
+def _cpu_op_pays(dtype: torch.dtype) -> bool:
+    """Whether the compiled CPU op beats the CPU BLAS's full product for this dtype on this CPU (from CPU_MIN_ROWS
+    rows). float32 and float64: always (1.5-1.8x on Gram products from 1024 rows, MKL on AMD and Intel). 16-bit: not
+    where the CPU has AMX tiles, on which oneDNN runs the op's 256-row panels so far below its full speed that the
+    saving is lost (`make bench`, 2-core Xeon: slower than torch.mm on GPT-2's bf16 buckets); elsewhere yes: on an
+    AMD EPYC with AVX512-BF16 the panels run at the full product's rate, and 5-step bf16 Newton-Schulz on GPT-2's
+    (12, 768, 3072) and (12, 768, 768) buckets ran 1.17x and 1.18x faster with it (benchmarks/results/)."""
+    return dtype in (torch.float32, torch.float64) or "amx_bf16" not in cpu_matrix_units()
 
 
 def _unavailable_reason(backend: str, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -85,25 +93,22 @@ def check_backend(backend: str, dtype: torch.dtype, device: torch.device) -> Non
 def kernel_choice(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str) -> str:
     """The backend `gram` and `zeropower` use for a matrix (or batch of matrices) of `shape` when none is given.
 
-    rows = min(shape[-2:]), the side of the Gram matrix. On CPUs: "cpu" (the compiled symmetric op) for float32 and
-    float64 from CPU_MIN_ROWS rows, else "torch". On CUDA GPUs: "triton" for bfloat16 and float16 from
+    rows = min(shape[-2:]), the side of the Gram matrix. On CPUs: "cpu" (the compiled symmetric op) from CPU_MIN_ROWS
+    rows for float32 and float64, and for bfloat16 and float16 on CPUs without AMX tiles (`_cpu_op_pays`), else
+    "torch". On CUDA GPUs: "triton" for bfloat16 and float16 from
     TRITON_MIN_ROWS[capability] rows on the capabilities measured faster there (sm_90: 8192), else "torch"
     (cuBLAS). The compiled "cuda" op is never chosen here; pass backend="cuda" to use it.
     """
     device = torch.device(device)
     rows = min(shape[-2:])
-    if (device.type == "cpu" and rows >= CPU_MIN_ROWS and dtype in _CPU_FAST_DTYPES
-            and _unavailable_reason("cpu", dtype, device) is None):
+    if (device.type == "cpu" and rows >= CPU_MIN_ROWS and _unavailable_reason("cpu", dtype, device) is None
+            and _cpu_op_pays(dtype)):
         return "cpu"
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         min_rows = TRITON_MIN_ROWS.get(cuda_capability(device))
         if min_rows is not None and rows >= min_rows and _unavailable_reason("triton", dtype, device) is None:
             return "triton"
     return "torch"
-
-
-def cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
 
 
 def resolve_backend(X: Tensor, backend: str | None) -> str:

@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import torch
 
-from .dispatch import cuda_capability
 
 # The x86 instruction sets that oneDNN, which runs torch's 16-bit CPU products, uses for matrix products.
 CPU_MATRIX_UNITS: tuple[str, ...] = ("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16")
@@ -88,6 +87,10 @@ def _linux_cpuinfo_lines() -> list[str]:
         return Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return []
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
 
 
 def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
