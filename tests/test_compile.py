@@ -59,6 +59,20 @@ def test_zeropower_compiles_to_one_graph_with_the_compiled_op() -> None:
     torch.testing.assert_close(compiled, orthogonalize(G), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("units", [("amx_bf16", "avx512_bf16"), ("avx512_bf16",)])
+def test_bfloat16_zeropower_compiles_to_one_graph_whichever_kernel_the_cpu_takes(monkeypatch: pytest.MonkeyPatch,
+                                                                                 units: tuple[str, ...]) -> None:
+    # The 16-bit CPU choice reads the CPU's units, whose probe the compiler cannot trace (faked here as untraceable as
+    # the real one): a constant to the trace, not a break, whichever way it goes.
+    monkeypatch.setattr(dispatch, "cpu_matrix_units", torch.compiler.disable(lambda: frozenset(units)))
+    fresh_compile_state()
+    G = torch.randn(ROWS, ROWS + 200, generator=torch.Generator().manual_seed(0))
+    explanation = torch._dynamo.explain(lambda g: optimizer.zeropower(g, 5, dtype=torch.bfloat16))(G)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    targets = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
+    assert sum("symmetric_gram_" in target for target in targets) == (0 if "amx_bf16" in units else 10)
+
+
 def test_a_compiled_muon_step_is_one_graph_and_equals_eager() -> None:
     fresh_compile_state()
     shapes = [(24, 16), (16, 24), (3, 8, 12), (ROWS, 16)]  # a batch of two, an expert bank, one on the CPU op

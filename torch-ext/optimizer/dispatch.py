@@ -36,6 +36,7 @@ _COMPILED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@torch.compiler.assume_constant_result  # fixed for the process: a compiled step takes it as a constant, unbroken
 def _cpu_op_pays(dtype: torch.dtype) -> bool:
     """Whether the compiled CPU op beats the CPU BLAS's full product for this dtype on this CPU (from CPU_MIN_ROWS
     rows). float32 and float64: always (1.5-1.8x on Gram products from 1024 rows, MKL on AMD and Intel). 16-bit: not

@@ -72,6 +72,16 @@ def _eager_op(op_name: str, device_type: str) -> torch._ops.OpOverloadPacket | N
     return None if torch.compiler.is_compiling() else _compiled_op(op_name, device_type)
 
 
+def _required_op(op_name: str, device_type: str | None) -> torch._ops.OpOverloadPacket:
+    """The compiled op of an op that has no fallback (its callers check `has_compiled_*` first), else a RuntimeError
+    naming the op, the device type and what this build has."""
+    compiled = None if device_type is None else _compiled_op(op_name, device_type)
+    if compiled is None:
+        raise RuntimeError(f"{op_name}: this build has no compiled kernel for device type {device_type!r} "
+                           f"({ops_summary()})")
+    return compiled
+
+
 @torch.compiler.assume_constant_result
 def _has_compiled_op(op_name: str, device_type: str) -> bool:
     """Fixed for the process: torch.compile takes the answer as a constant instead of tracing the dispatcher queries
@@ -120,10 +130,7 @@ def adamw_rounded_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_scales:
     random as `store_moment_` stores them, salted by `rounding_count` (not moved) and each entry's position. In one
     pass, where the composition (load, torch's fused AdamW, store) takes three. Only compiled: callers check
     `has_compiled_adamw_rounded` first."""
-    compiled = _compiled_op(_ADAMW_ROUNDED_OP, param.device.type)
-    if compiled is None:
-        raise RuntimeError(f"adamw_rounded_: this build has no compiled kernel for device type "
-                           f"{param.device.type!r} ({ops_summary()})")
+    compiled = _required_op(_ADAMW_ROUNDED_OP, param.device.type)
     compiled(param, grad.contiguous(), exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count,
              None if positions is None else positions.contiguous(), step, float(lr), betas[0], betas[1], eps,
              weight_decay)
@@ -142,10 +149,7 @@ def normalize_elements_(updates: Sequence[Tensor], moments: Sequence[Tensor], de
     updates[i], with the roundings of that composition of torch ops. `decays`, `corrections`: one value per tensor
     (sent to the host as float64); updates and moments (float32 or float64) contiguous, of equal shapes. Only
     compiled: callers check `has_compiled_normalize_elements` first."""
-    compiled = _compiled_op(_NORMALIZE_ELEMENTS_OP, updates[0].device.type) if updates else None
-    if compiled is None:
-        raise RuntimeError(f"normalize_elements_: this build has no compiled kernel for these tensors "
-                           f"({ops_summary()})")
+    compiled = _required_op(_NORMALIZE_ELEMENTS_OP, updates[0].device.type if updates else None)
     compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
              one_minus_beta, eps)
 
@@ -165,9 +169,7 @@ def normalize_rows_(updates: Sequence[Tensor], moments: Sequence[Tensor], decays
     contiguous, one entry per row. `decays`, `corrections`: one value per tensor (sent to the host as float64).
     Returns each normalized update's sum of squares (float64, on the CPU), which the RMS rule scales by. Only
     compiled: callers check `has_compiled_normalize_rows` first."""
-    compiled = _compiled_op(_NORMALIZE_ROWS_OP, updates[0].device.type) if updates else None
-    if compiled is None:
-        raise RuntimeError(f"normalize_rows_: this build has no compiled kernel for these tensors ({ops_summary()})")
+    compiled = _required_op(_NORMALIZE_ROWS_OP, updates[0].device.type if updates else None)
     squares = torch.empty(len(updates), dtype=torch.float64)
     compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
              one_minus_beta, eps, squares)
@@ -189,11 +191,7 @@ def symmetric_gram_(out: Tensor, X: Tensor, C: Tensor | None = None, alpha: floa
     for name, tensor in (("out", out), ("C", C)):
         if tensor is not None and tensor.device != X.device:  # else the dispatcher would pick the other device
             raise ValueError(f"symmetric_gram_: {name} is on {tensor.device} but X is on {X.device}")
-    compiled = _compiled_op(_SYMMETRIC_GRAM_OP, X.device.type)
-    if compiled is None:
-        raise RuntimeError(f"symmetric_gram_: this build has no compiled kernel for device type "
-                           f"{X.device.type!r} ({ops_summary()})")
-    compiled(out, X, C, alpha, beta)
+    _required_op(_SYMMETRIC_GRAM_OP, X.device.type)(out, X, C, alpha, beta)
     return out
 
 
