@@ -628,10 +628,10 @@ def cpu_model() -> str:
     return platform.processor() or f"{platform.machine()} CPU"
 
 
-def _onednn_cap_note() -> str:
+def _onednn_cap_note(optimizer) -> str:
     """Where ONEDNN_MAX_CPU_ISA keeps torch's 16-bit products off some instructions (to measure another machine kind
     on this one's cores), the device name says so."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    cap = _precision(optimizer).onednn_isa_cap()
     return f", oneDNN capped at {cap}" if cap else ""
 
 
@@ -680,7 +680,7 @@ def main() -> None:
         gram_shapes = [(s, s) for s in (512, 1024, 2048, 4096, 8192, 16384)] + [(1024, 4096), (4096, 16384)]
         ns_shapes = [(768, 3072)] + [(s, s) for s in (1024, 2048, 4096, 8192)]
     else:
-        device_name = f"{cpu_model()}, {torch.get_num_threads()} threads{_onednn_cap_note()}"
+        device_name = f"{cpu_model()}, {torch.get_num_threads()} threads{_onednn_cap_note(optimizer)}"
         dtype, gram_shapes = torch.float32, [(512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 4096)]
         ns_shapes = [(768, 768), (768, 3072), (1024, 4096), (2048, 2048)]
     peak = peak_gflops(device, dtype, args.repeats)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import pickle
 import subprocess
 import sys
@@ -279,9 +278,10 @@ def test_ns_dtype_none_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     Muon([param]).step()
     # bf16 where the CPU has AMX bf16 tiles or AVX512-BF16 on AMD cores, else fp32: the rule itself is tested with
     # faked CPU flags in test_precision.py.
-    if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
+    precision = submodule(optimizer, "precision")
+    if precision.onednn_isa_cap():
         pytest.skip("oneDNN is capped here: the units it may use are not the CPU's")
-    amd = submodule(optimizer, "precision").cpu_vendor() == "AuthenticAMD"
+    amd = precision.cpu_vendor() == "AuthenticAMD"
     bf16_units = torch.cpu._is_amx_tile_supported() or (torch.cpu._is_avx512_bf16_supported() and amd)
     assert dtypes == [torch.bfloat16 if bf16_units else torch.float32]
 

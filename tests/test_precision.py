@@ -5,7 +5,6 @@ explicit dtype the CPU multiplies slowly; the optimizer's repr saying what None 
 
 from __future__ import annotations
 
-import os
 import platform
 import warnings
 from pathlib import Path
@@ -101,7 +100,7 @@ def test_this_cpus_units_are_what_the_kernel_reports() -> None:
     # Linux names the same instruction sets in /proc/cpuinfo; torch's probes (and ours) must agree with it.
     if platform.machine() != "x86_64":
         pytest.skip("x86 flags only")
-    if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
+    if precision.onednn_isa_cap():
         pytest.skip("oneDNN capped in this environment")
     flags = linux_cpu_flags()
     assert precision.cpu_matrix_units() == frozenset(set(precision.CPU_MATRIX_UNITS) & flags)

@@ -43,7 +43,7 @@ def _cpu_op_pays(dtype: torch.dtype) -> bool:
     where the CPU has AMX tiles, on which oneDNN runs the op's 256-row panels so far below its full speed that the
     saving is lost (`make bench`, 2-core Xeon: slower than torch.mm on GPT-2's bf16 buckets); elsewhere yes: on an
     AMD EPYC with AVX512-BF16 the panels run at the full product's rate, and 5-step bf16 Newton-Schulz on GPT-2's
-    (12, 768, 3072) and (12, 768, 768) buckets ran 1.17x and 1.18x faster with it (benchmarks/results/)."""
+    (12, 768, 3072) and (12, 768, 768) buckets ran 1.18x faster with it (benchmarks/results/)."""
     return dtype in (torch.float32, torch.float64) or "amx_bf16" not in cpu_matrix_units()
 
 

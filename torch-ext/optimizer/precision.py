@@ -64,9 +64,14 @@ def cpu_matrix_units() -> frozenset[str]:
         return frozenset()
     found = {"amx_bf16": torch.cpu._is_amx_tile_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
              "amx_fp16": torch.cpu._is_amx_fp16_supported(), "avx512_fp16": "avx512_fp16" in _linux_cpu_flags()}
-    isa_cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-    allowed = _ONEDNN_ISA_UNITS.get(isa_cap, frozenset(CPU_MATRIX_UNITS))
+    allowed = _ONEDNN_ISA_UNITS.get((onednn_isa_cap() or "ALL").upper(), frozenset(CPU_MATRIX_UNITS))
     return frozenset(unit for unit, present in found.items() if present and unit in allowed)
+
+
+def onednn_isa_cap() -> str | None:
+    """The instruction set oneDNN is capped at by the environment (ONEDNN_MAX_CPU_ISA, or DNNL_MAX_CPU_ISA as oneDNN
+    before 2.5 named it), or None where nothing caps it."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None
 
 
 @functools.cache
