@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import importlib
 import json
 import os
@@ -94,15 +95,21 @@ def paired_medians_ms(fns: list[Callable[[], object]], device: torch.device, rep
     back-to-back medians moved the ratio by 20%); on GPUs `do_bench` for each."""
     if device.type == "cuda":
         return [median_ms(fn, device, repeats) for fn in fns]
+    return [statistics.median(measured) for measured in paired_times_ms(fns, repeats)]
+
+
+def paired_times_ms(fns: list[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """Each function's wall times in ms over `repeats` rounds that run every function once, after one warm-up
+    call each (lazy optimizer state, compilation)."""
     for fn in fns:
-        fn()  # warm-up: lazy optimizer state, compilation
+        fn()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, measured in zip(fns, times):
             start = time.perf_counter()
             fn()
             measured.append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(measured) for measured in times]
+    return times
 
 
 def gram_flop(m: int, k: int) -> float:
@@ -178,12 +185,17 @@ def torch_muon_computing_in(dtype: torch.dtype) -> Iterator[None]:
 
 def faster_torch_dtype(device: torch.device, repeats: int) -> tuple[torch.dtype, dict[torch.dtype, float]]:
     """The dtype torch.mm runs faster in here (fp32 or bf16) and both rates in GFLOP/s, at 512 on CPUs (an
-    emulated bf16 product is too slow for more) and 4096 on GPUs."""
+    emulated bf16 product is too slow for more) and 4096 on GPUs. On CPUs each rate is the best of 4x `repeats`
+    rounds that time both dtypes: five 0.6 ms products once all ran during a pause of the machine, the median
+    read bf16 10x slower than it is, and torch's step was then timed in fp32, at twice its bf16 time."""
     size = 512 if device.type == "cpu" else 4096
-    rates = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        rates[dtype] = gram_flop(size, size) / (median_ms(lambda: torch.mm(a, a), device, repeats) * 1e-3) / 1e9
+    operands = {dtype: torch.randn(size, size, device=device, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    products = [functools.partial(torch.mm, a, a) for a in operands.values()]
+    if device.type == "cuda":
+        times = [median_ms(product, device, repeats) for product in products]
+    else:
+        times = [min(measured) for measured in paired_times_ms(products, 4 * repeats)]
+    rates = {dtype: gram_flop(size, size) / (ms * 1e-3) / 1e9 for dtype, ms in zip(operands, times)}
     return max(rates, key=rates.get), rates
 
 
@@ -337,10 +349,11 @@ def _step_params(device: torch.device, matrix_shapes: list[tuple[int, int]], vec
 
 
 def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> tuple[list[Row], list[str]]:
-    """One optimizer step, ours (defaults; NorMuon, AdaMuon, bfloat16 state) vs torch.optim.Muon (its Newton-Schulz
-    in `torch_dtype`) + fused AdamW, on GPT-2 small's hidden matrices with its vectors and token embedding going to
-    AdamW (as muon_param_groups sends them) and, on GPUs, on one Llama-3-8B layer; then the AdamW-routed parameters
-    alone against fused AdamW. The notes give each optimizer's state bytes per parameter."""
+    """One optimizer step, ours (defaults; NorMuon, AdaMuon, bfloat16 and int8 state, AOL with a step fewer) vs
+    torch.optim.Muon (its Newton-Schulz in `torch_dtype`) + fused AdamW, on GPT-2 small's hidden matrices with its
+    vectors and token embedding going to AdamW (as muon_param_groups sends them) and, on GPUs, on one Llama-3-8B
+    layer; then the AdamW-routed parameters alone against fused AdamW. The notes give each optimizer's state bytes
+    per parameter."""
     shape_sets = [("GPT-2 small", GPT2_SMALL_BLOCK, GPT2_SMALL_VECTORS, GPT2_BLOCKS, [GPT2_EMBEDDING])]
     if device.type == "cuda":
         shape_sets.append(("Llama-3-8B layer", LLAMA3_8B_LAYER, LLAMA3_8B_VECTORS, 1, []))
@@ -355,7 +368,9 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         variants = {"normalization='neuron' (NorMuon)": optimizer.Muon(groups, lr=0.02, normalization="neuron"),
                     "normalization='element' (AdaMuon)": optimizer.Muon(groups, lr=0.02, normalization="element"),
                     "state_dtype=torch.bfloat16": optimizer.Muon(groups, lr=0.02, state_dtype=torch.bfloat16),
-                    "state_dtype='int8'": optimizer.Muon(groups, lr=0.02, state_dtype="int8")}
+                    "state_dtype='int8'": optimizer.Muon(groups, lr=0.02, state_dtype="int8"),
+                    "preconditioner='aol', ns_steps=4": optimizer.Muon(groups, lr=0.02, preconditioner="aol",
+                                                                       ns_steps=4)}
         if device.type == "cuda":  # on a CPU the option moves nothing
             variants["offload='cpu'"] = optimizer.Muon(groups, lr=0.02, offload="cpu")
         compiled_step = torch.compile(ours.step)
@@ -678,7 +693,8 @@ def main() -> None:
         device_name = torch.cuda.get_device_name()
         dtype = torch.bfloat16
         gram_shapes = [(s, s) for s in (512, 1024, 2048, 4096, 8192, 16384)] + [(1024, 4096), (4096, 16384)]
-        ns_shapes = [(768, 3072)] + [(s, s) for s in (1024, 2048, 4096, 8192)]
+        # 2048x8192: issue 11's Gram target (>= 2x the standard iteration in bf16 on an H100).
+        ns_shapes = [(768, 3072), (2048, 8192)] + [(s, s) for s in (1024, 2048, 4096, 8192)]
     else:
         device_name = f"{cpu_model()}, {torch.get_num_threads()} threads{_onednn_cap_note(optimizer)}"
         dtype, gram_shapes = torch.float32, [(512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 4096)]
@@ -692,7 +708,7 @@ def main() -> None:
               f"{_datasheet_note(device_name)}. "
               "GFLOP counts are of full products; ratios are baseline / ours, measured side by side in this run.",
               "", f"ns_dtype=None picks {choice.dtype} here: {choice.reason}. torch.mm at "
-              f"{512 if device.type == 'cpu' else 4096}: " + ", ".join(
+              f"{f'512 (best of {4 * args.repeats})' if device.type == 'cpu' else 4096}: " + ", ".join(
                   f"{str(key).removeprefix('torch.')} {rate:.0f} GFLOP/s" for key, rate in rates.items()) +
               f"; torch.optim.Muon's Newton-Schulz is timed in {torch_dtype}, the faster of the two for it."]
     if device.type == "cpu":
