@@ -394,14 +394,47 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         notes += [f"{name}: optimizer state per parameter: {label} {state_bytes(opt) / numel:.2f} bytes"
                   for label, opt in {"torch.optim.Muon + AdamW": theirs, "optimizer.Muon (defaults)": [ours],
                                      **{f"optimizer.Muon, {key}": [opt] for key, opt in variants.items()}}.items()]
-        adamw_case = f"{name}, its {len(vectors)} AdamW tensors alone"
-        fused = torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)
-        ours_adamw = optimizer.Muon([dict(params=vectors, use_muon=False)], lr=0.02)
-        adamw_baseline, adamw_ours = paired_medians_ms([fused.step, ours_adamw.step], device, 3 * repeats)
-        rows += [Row("AdamW part", adamw_case, "torch.optim.AdamW(fused=True)", adamw_baseline, 0.0, adamw_baseline),
-                 Row("AdamW part", adamw_case, "optimizer.Muon (non-finite guard included)", adamw_ours, 0.0,
-                     adamw_baseline)]
+        rows += _adamw_part_rows(optimizer, device, f"{name}, its {len(vectors)} AdamW tensors alone", vectors,
+                                 repeats)
     return rows, notes
+
+
+def _adamw_part_rows(optimizer, device: torch.device, case: str, params: list[torch.Tensor], repeats: int) -> list[Row]:
+    """The AdamW-routed parameters alone against fused AdamW: the step (our non-finite guard included), then
+    gradient clipping and the step, where our clip's read of each gradient also serves the step's guard. Clipping
+    at half the gradients' norm, after doubling them (on both sides alike), scales them at every call; at twice
+    their norm it only measures (torch multiplies them by 1 all the same)."""
+    fused = torch.optim.AdamW(params, lr=0.02, betas=(0.9, 0.95), fused=True)
+    ours = optimizer.Muon([dict(params=params, use_muon=False)], lr=0.02)
+    grads = [param.grad for param in params]
+    norm = float(torch.nn.utils.get_total_norm(grads))
+
+    def clipped(clip: Callable[[float], object], step: Callable[[], object], max_norm: float,
+                grow: bool) -> Callable[[], None]:
+        def run() -> None:
+            if grow:
+                torch._foreach_mul_(grads, 2.0)
+            clip(max_norm)
+            step()
+        return run
+
+    def torch_clip(max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    clip_cases = {"clipping every step (gradients doubled first)": (0.5 * norm, True),
+                  "measuring only (norm below max_norm)": (2.0 * norm, False)}
+    fns = [fused.step, ours.step]
+    for max_norm, grow in clip_cases.values():
+        fns += [clipped(torch_clip, fused.step, max_norm, grow),
+                clipped(ours.clip_grad_norm_, ours.step, max_norm, grow)]
+    baseline, eager, *clip_ms = paired_medians_ms(fns, device, 3 * repeats)
+    rows = [Row("AdamW part", case, "torch.optim.AdamW(fused=True)", baseline, 0.0, baseline),
+            Row("AdamW part", case, "optimizer.Muon (non-finite guard included)", eager, 0.0, baseline)]
+    for index, label in enumerate(clip_cases):
+        theirs, mine = clip_ms[2 * index:2 * index + 2]
+        rows += [Row("AdamW part", f"{case}, {label}", "torch clip_grad_norm_ + fused AdamW", theirs, 0.0, theirs),
+                 Row("AdamW part", f"{case}, {label}", "Muon.clip_grad_norm_ + Muon.step", mine, 0.0, theirs)]
+    return rows
 
 
 def state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:

@@ -197,22 +197,33 @@ void checked_store_moment(at::Tensor& stored, const std::optional<at::Tensor>& s
   impl(stored, scales, values, rounding_count, positions, position_offset, taken, code);
 }
 
-// Shared by every backend: the flags are the tensors' own, one per tensor, written where the tensors are.
-void check_finite_flags_args(at::TensorList tensors, const at::Tensor& finite) {
-  check_flags("finite_flags_", finite, tensors.size());
+// The tensors an op only reads, one result per tensor: contiguous, of a supported dtype, where the results are.
+void check_read_tensors(const char* op, at::TensorList tensors, const at::Tensor& results) {
   for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK_VALUE(tensors[i].device() == finite.device(), "finite_flags_: tensors[", i, "] is on ",
-                      tensors[i].device(), " but finite is on ", finite.device());
-    TORCH_CHECK_VALUE(is_supported_dtype(tensors[i].scalar_type()), "finite_flags_: tensors[", i, "] has dtype ",
+    TORCH_CHECK_VALUE(tensors[i].device() == results.device(), op, ": tensors[", i, "] is on ", tensors[i].device(),
+                      " but the results are on ", results.device());
+    TORCH_CHECK_VALUE(is_supported_dtype(tensors[i].scalar_type()), op, ": tensors[", i, "] has dtype ",
                       tensors[i].scalar_type(), " (expected float32, float64, bfloat16 or float16)");
-    TORCH_CHECK_VALUE(tensors[i].is_contiguous(), "finite_flags_: tensors[", i, "] must be contiguous");
+    TORCH_CHECK_VALUE(tensors[i].is_contiguous(), op, ": tensors[", i, "] must be contiguous");
   }
 }
 
+// Shared by every backend: the flags are the tensors' own, one per tensor, written where the tensors are.
 template <FiniteFlagsImpl impl>
 void checked_finite_flags(at::TensorList tensors, const at::Tensor& finite) {
-  check_finite_flags_args(tensors, finite);
+  check_flags("finite_flags_", finite, tensors.size());
+  check_read_tensors("finite_flags_", tensors, finite);
   impl(tensors, finite);
+}
+
+template <SquaredNormsImpl impl>
+void checked_squared_norms(at::TensorList tensors, const at::Tensor& sums) {
+  TORCH_CHECK_VALUE(sums.scalar_type() == at::kDouble && sums.dim() == 1 && sums.is_contiguous() &&
+                        sums.numel() == static_cast<int64_t>(tensors.size()),
+                    "squared_norms_: sums must be a contiguous float64 tensor of shape (", tensors.size(), "), got ",
+                    sums.scalar_type(), " of shape ", sums.sizes());
+  check_read_tensors("squared_norms_", tensors, sums);
+  impl(tensors, sums);
 }
 
 template <MuonMomentumImpl impl>
@@ -457,6 +468,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("symmetric_gram_(Tensor(a!) out, Tensor X, Tensor? C, float alpha, float beta) -> ()");
   // finite[i] = 1.0 where tensors[i] holds no NaN or Inf, else 0.0: the gradient check of AdamW-routed parameters.
   ops.def("finite_flags_(Tensor[] tensors, Tensor(a!) finite) -> ()");
+  // sums[i] = the sum of squares of tensors[i], in float64: gradient clipping's norms and finite checks in one read.
+  ops.def("squared_norms_(Tensor[] tensors, Tensor(a!) sums) -> ()");
   // out = the float32 values of a moment stored in fewer bytes (see torch_binding.h's MomentCode).
   ops.def("load_moment_(Tensor(a!) out, Tensor stored, Tensor? scales, str code) -> ()");
   // The moment <- values, rounded at random; untouched where taken is 0.
@@ -488,6 +501,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
            &checked_muon_momentum_rounded<&muon_momentum_rounded_cpu>);
   ops.impl("symmetric_gram_", c10::DeviceType::CPU, &checked_symmetric_gram<&symmetric_gram_cpu>);
   ops.impl("finite_flags_", c10::DeviceType::CPU, &checked_finite_flags<&finite_flags_cpu>);
+  ops.impl("squared_norms_", c10::DeviceType::CPU, &checked_squared_norms<&squared_norms_cpu>);
   ops.impl("load_moment_", c10::DeviceType::CPU, &checked_load_moment<&load_moment_cpu>);
   ops.impl("store_moment_", c10::DeviceType::CPU, &checked_store_moment<&store_moment_cpu>);
 #endif

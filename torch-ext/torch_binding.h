@@ -82,6 +82,12 @@ void finite_flags_cpu(at::TensorList tensors, const at::Tensor& finite);
 
 void finite_flags_cuda(at::TensorList tensors, const at::Tensor& finite);
 
+// sums[i] = the sum of the squares of tensors[i]'s elements, accumulated in float64 (sums: float64, one per tensor,
+// where the tensors are); the tensors are only read.
+using SquaredNormsImpl = void (*)(at::TensorList tensors, const at::Tensor& sums);
+
+void squared_norms_cpu(at::TensorList tensors, const at::Tensor& sums);
+
 // params[i] <- params[i] * decay[i] then <- params[i] + step_sizes[i] * updates[i], each rounded to the parameter's
 // dtype (decay and step_sizes: float64, one per parameter, on the host); updates[i] of any supported dtype,
 // contiguous or the transpose of a contiguous tensor (its last two dims swapped).

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .clipping import CheckedGradients, check_max_norm, clip_grad_norm_, reads_once
 from .coefficients import Coefficients, resolve_coefficients
 from .distributed.dtensors import (is_dtensor, local_or_none, local_tensor, placed_like, splits_last_dim,
                                   zeros_like_resized)
@@ -439,6 +440,7 @@ class Muon(Optimizer):
         # Attributes too: they hold parameters, and names resolve only once the groups (and their names) exist.
         self.qk_clip = resolve_layers(qk_clip or {}, self._named_params())
         self._workspace = Workspace()  # CPU steps' scratch memory, kept from step to step; never saved
+        self._checked_gradients: CheckedGradients | None = None  # what clip_grad_norm_ read for the next step
 
     def __getstate__(self) -> dict[str, Any]:
         # torch saves defaults, state and param_groups; the QK-clip layers and the process group are attributes.
@@ -450,6 +452,7 @@ class Muon(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("offload", None)  # a copy from before the option existed
         self._workspace = Workspace()
+        self._checked_gradients = None
         for group in self.param_groups:  # a copy from before an option existed gets its default
             for key, value in self._option_defaults().items():
                 group.setdefault(key, value)
@@ -637,8 +640,11 @@ class Muon(Optimizer):
     # own): the whole AdamW part runs eagerly, one break per step, outside any loop a compiled step must keep.
     @torch.compiler.disable
     def _adamw_steps(self, groups: list[tuple[dict[str, Any], list[AdamWTensors]]]) -> None:
-        for group, items in groups:
-            self._adamw_step(group, items)
+        try:
+            for group, items in groups:
+                self._adamw_step(group, items)
+        finally:
+            self._checked_gradients = None  # one step's worth: the next clip checks afresh
 
     def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
         weight_decay = group["adamw_weight_decay"]
@@ -646,9 +652,13 @@ class Muon(Optimizer):
                         eps=_as_real(group["adamw_eps"]),
                         weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
         for device_items in by_device(items).values():
-            # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer.
-            # The update itself is elementwise: each rank runs it on its own shards, as plain tensors.
-            found_inf = found_inf_flags([item.grad for item in device_items])
+            # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer,
+            # unless clip_grad_norm_ found out while it read them. The update itself is elementwise: each rank runs
+            # it on its own shards, as plain tensors.
+            checked = self._checked_gradients
+            found_inf = None if checked is None else checked.found_inf([item.param for item in device_items])
+            if found_inf is None:
+                found_inf = found_inf_flags([item.grad for item in device_items])
             staged_adamw_update([_local_adamw_item(item) for item in device_items], found_inf, **settings)
 
     @torch.no_grad()
@@ -686,6 +696,27 @@ class Muon(Optimizer):
         if qk_logits:
             qk_clip_(self.qk_clip, qk_logits, self.qk_clip_threshold, self.process_group)
         return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over this optimizer's parameters: scales their gradients in place so
+        that their total norm is at most `max_norm` (`math.inf`: only measure it), and returns the total norm.
+
+        For the L2 norm of plain CPU tensors (with the compiled ops) each gradient is read once, for its norm and for
+        whether it is finite, and the next `step()` takes those flags for its AdamW-routed parameters instead of
+        reading their gradients again; a gradient replaced or changed in place since is read again. That total is
+        accumulated in float64 (float32 result, float64 for float64 gradients). Other norms, DTensor and GPU
+        gradients go to torch's function, `foreach` with them."""
+        max_norm = check_max_norm(max_norm)
+        params = [param for group in self.param_groups for param in group["params"] if param.grad is not None]
+        grads = [param.grad for param in params]
+        self._checked_gradients = None
+        if not reads_once(grads, norm_type):
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        total, finite = clip_grad_norm_(grads, max_norm, error_if_nonfinite)
+        self._checked_gradients = CheckedGradients(params, finite)
+        return total
 
     def nonfinite_skips(self) -> int:
         """How many parameter updates were skipped because a gradient had a NaN or Inf (syncs with the device)."""

@@ -1,8 +1,8 @@
 """The compiled ops of this build variant: `muon_momentum_`, `muon_momentum_rounded_`, `load_moment`, `store_moment_`,
 `finite_flags` and `apply_update_`, each with a pure-PyTorch fallback of the same semantics when it is absent, and
-`symmetric_gram_`, `adamw_rounded_`, `normalize_elements_` and `normalize_rows_`, which exist only compiled (callers
-check `has_compiled_symmetric_gram`, `has_compiled_adamw_rounded`, `has_compiled_normalize_elements` and
-`has_compiled_normalize_rows`).
+`symmetric_gram_`, `adamw_rounded_`, `normalize_elements_`, `normalize_rows_` and `squared_norms_`, which exist only
+compiled (callers check `has_compiled_symmetric_gram`, `has_compiled_adamw_rounded`, `has_compiled_normalize_elements`,
+`has_compiled_normalize_rows` and `has_compiled_squared_norms`).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
 """
@@ -36,8 +36,9 @@ _APPLY_UPDATE_OP = "apply_update_"
 _ADAMW_ROUNDED_OP = "adamw_rounded_"
 _NORMALIZE_ELEMENTS_OP = "normalize_elements_"
 _NORMALIZE_ROWS_OP = "normalize_rows_"
+_SQUARED_NORMS_OP = "squared_norms_"
 _OPS = (_MOMENTUM_OP, _ROUNDED_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP, _LOAD_MOMENT_OP, _STORE_MOMENT_OP,
-        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP, _NORMALIZE_ELEMENTS_OP, _NORMALIZE_ROWS_OP)
+        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP, _NORMALIZE_ELEMENTS_OP, _NORMALIZE_ROWS_OP, _SQUARED_NORMS_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -174,6 +175,23 @@ def normalize_rows_(updates: Sequence[Tensor], moments: Sequence[Tensor], decays
     compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
              one_minus_beta, eps, squares)
     return squares
+
+
+def has_compiled_squared_norms(device_type: str) -> bool:
+    """Whether this build has a compiled `squared_norms_` kernel for the device type, usable here (not while
+    torch.compile traces)."""
+    return _eager_op(_SQUARED_NORMS_OP, device_type) is not None
+
+
+def squared_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """(N,) float64 on the tensors' device: the sum of the squares of each tensor's elements, accumulated in
+    float64, each tensor read once at memory speed. For float32, bfloat16 and float16 tensors a sum is finite exactly
+    when the tensor is (their squares cannot overflow float64); a float64 tensor's sum can overflow."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    sums = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    if tensors:
+        _required_op(_SQUARED_NORMS_OP, device.type)([tensor.contiguous() for tensor in tensors], sums)
+    return sums
 
 
 def symmetric_gram_(out: Tensor, X: Tensor, C: Tensor | None = None, alpha: float = 1.0,

@@ -1,0 +1,244 @@
+"""`Muon.clip_grad_norm_` against `torch.nn.utils.clip_grad_norm_`, the `squared_norms_` op against float64 sums,
+and the step that takes the clip's finite flags instead of reading the gradients again: the same parameters as after
+torch's clip and our own guard, in every case where a gradient is not finite or changed after the clip."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
+
+native = submodule(load_cpu_variant(), "native")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 24), torch.nn.LayerNorm(24),
+                                torch.nn.Linear(24, 50))
+    return model.to(dtype)
+
+
+def _backward(model: torch.nn.Module, seed: int, *more: torch.nn.Module) -> None:
+    """Fresh gradients of a loss on the seed's tokens, for each model given."""
+    tokens = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(seed))
+    for each in (model, *more):
+        each.zero_grad()
+        each(tokens).float().square().mean().backward()
+
+
+def _twins() -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """A model and its copy, each with its own Muon."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    ours, theirs = optimizer.Muon(model.parameters(), lr=0.02), optimizer.Muon(reference.parameters(), lr=0.02)
+    return model, reference, ours, theirs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [0, 1, 17, 32768, 70001])
+def test_squared_norms_match_float64_sums(dtype: torch.dtype, numel: int) -> None:
+    tensors = [torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype), torch.randn(3, 5)]
+    expected = [tensor.double().square().sum() for tensor in tensors]
+    torch.testing.assert_close(native.squared_norms(tensors), torch.stack(expected), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_squared_norms_are_finite_exactly_where_tensors_are(dtype: torch.dtype) -> None:
+    largest = torch.finfo(dtype).max
+    tensors = [torch.full((40000,), largest, dtype=dtype)]  # finite, though its float32 sum of squares overflows
+    for bad in (math.nan, math.inf, -math.inf):
+        tensor = torch.ones(40000, dtype=dtype)
+        tensor[39999] = bad
+        tensors.append(tensor)
+    assert native.squared_norms(tensors).isfinite().tolist() == [True, False, False, False]
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """torch sums a bf16 model's norms in bf16 (3 significant digits) and ours in float64, so its total is off in
+    the third digit (0.4531 against 0.4544) and the clipped gradients by a bf16 rounding; float32 sums differ in
+    their last bits."""
+    return dict(rtol=1e-2, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("max_norm", [0.05, 1e9, math.inf])
+def test_clip_matches_torch_clip(dtype: torch.dtype, max_norm: float) -> None:
+    model = _model(dtype)
+    reference = copy.deepcopy(model)
+    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    _backward(model, 0, reference)
+    norm = opt.clip_grad_norm_(max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    torch.testing.assert_close(norm, expected.float(), **_tolerance(dtype))
+    for param, expected_param in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected_param.grad, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e9, math.inf])
+def test_steps_after_our_clip_match_steps_after_torch_s(max_norm: float) -> None:
+    """float32 only: in bf16 a gradient one rounding apart already moves a Muon update of a nearly rank-deficient
+    matrix by a third of its size, so bf16 steps cannot be compared with any tolerance that would catch a bug."""
+    model, reference, ours, theirs = _twins()
+    for seed in range(3):
+        _backward(model, seed, reference)
+        ours.clip_grad_norm_(max_norm)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        ours.step()
+        theirs.step()
+    for param, expected_param in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected_param, **_tolerance(torch.float32))
+
+
+def _adamw_routed(opt: torch.optim.Optimizer) -> int:
+    return sum("exp_avg" in state for state in opt.state.values())
+
+
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf])
+def test_the_step_with_the_clip_s_flags_equals_the_step_with_the_guard(bad: float | None) -> None:
+    """Both models clipped alike; one's gradients are then touched (`add_(0)` bumps their version, not their
+    values), so its step reads them itself: every parameter must come out bit for bit the same."""
+    model, reference, ours, theirs = _twins()
+    for seed in range(2):
+        _backward(model, seed, reference)
+        if bad is not None and seed == 1:
+            _poison(model, bad)
+            _poison(reference, bad)
+        ours.clip_grad_norm_(10.0)
+        theirs.clip_grad_norm_(10.0)
+        for param in reference.parameters():
+            param.grad.add_(0)
+        ours.step()
+        theirs.step()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=0, atol=0)
+    # A NaN makes the total NaN, which scales every gradient to NaN; an Inf zeroes the others (Inf * 0 is NaN).
+    skipped = {None: 0, math.inf: 1}.get(bad, len(list(model.parameters())))
+    assert ours.nonfinite_skips() == theirs.nonfinite_skips() == skipped
+
+
+def test_the_step_after_a_clip_does_not_read_the_gradients_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    muon_module = submodule(optimizer, "muon")
+    checked = []
+    real = muon_module.found_inf_flags
+    monkeypatch.setattr(muon_module, "found_inf_flags", lambda grads: checked.append(len(grads)) or real(grads))
+    _backward(model, 0)
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    assert checked == []
+    _backward(model, 1)
+    opt.step()  # no clip before this one: the guard reads the AdamW-routed gradients
+    assert checked == [_adamw_routed(opt)]
+
+
+def _poison(model: torch.nn.Module, value: float) -> None:
+    """A non-finite value in the LayerNorm's weight gradient (an AdamW-routed parameter)."""
+    model[2].weight.grad[3] = value
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("max_norm", [1.0, math.inf])
+@pytest.mark.parametrize("when", ["before the clip", "after the clip"])
+def test_non_finite_gradients_are_skipped_as_after_torch_s_clip(bad: float, max_norm: float, when: str) -> None:
+    """A total norm of NaN scales every gradient to NaN and one of Inf zeroes the finite ones, as torch's clip
+    does; a gradient made non-finite after the clip is caught by the step all the same."""
+    model, reference, ours, theirs = _twins()
+    _backward(model, 0, reference)
+    if when == "before the clip":
+        _poison(model, bad)
+        _poison(reference, bad)
+    ours.clip_grad_norm_(max_norm)
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    if when == "after the clip":
+        _poison(model, bad)
+        _poison(reference, bad)
+    poisoned = model[2].weight.detach().clone()
+    ours.step()
+    theirs.step()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, **_tolerance(torch.float32))
+    torch.testing.assert_close(model[2].weight, poisoned, rtol=0, atol=0)
+    assert ours.nonfinite_skips() == theirs.nonfinite_skips() > 0
+
+
+def test_a_gradient_replaced_after_the_clip_is_read_again() -> None:
+    model = _model()
+    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    _backward(model, 0)
+    opt.clip_grad_norm_(1.0)
+    weight = model[2].weight
+    before = weight.detach().clone()
+    weight.grad = torch.full_like(weight, math.nan)
+    opt.step()
+    torch.testing.assert_close(weight, before, rtol=0, atol=0)
+    assert opt.nonfinite_skips() == 1
+
+
+def test_error_if_nonfinite_raises_before_anything_is_scaled() -> None:
+    model = _model()
+    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    _backward(model, 0)
+    _poison(model, math.nan)
+    grads = [param.grad.clone() for param in model.parameters()]
+    with pytest.raises(RuntimeError, match="total norm"):
+        opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    for param, grad in zip(model.parameters(), grads):
+        torch.testing.assert_close(param.grad, grad, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, math.inf])
+def test_other_norms_are_torch_s(norm_type: float) -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    _backward(model, 0, reference)
+    norm = opt.clip_grad_norm_(0.1, norm_type=norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1, norm_type=norm_type)
+    torch.testing.assert_close(norm, expected, rtol=0, atol=0)
+    for param, expected_param in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected_param.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, math.nan, "1", True, None])
+def test_invalid_max_norm_raises_value_error_naming_it(max_norm: object) -> None:
+    model = _model()
+    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    _backward(model, 0)
+    grads = [param.grad.clone() for param in model.parameters()]
+    with pytest.raises(ValueError, match="max_norm"):
+        opt.clip_grad_norm_(max_norm)
+    for param, grad in zip(model.parameters(), grads):
+        torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
+
+
+def test_float64_gradients_too_large_to_square_are_finite() -> None:
+    """Their float64 squares overflow, so their finite flags come from the exact check: the step goes on."""
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    opt = optimizer.Muon([dict(params=[param], use_muon=False)], lr=0.02)
+    param.grad = torch.full((4,), 1e300, dtype=torch.float64)
+    assert opt.clip_grad_norm_(1.0) == math.inf
+    opt.step()  # the Inf total zeroes the gradient (as torch's clip does): weight decay of zero, nothing skipped
+    assert opt.nonfinite_skips() == 0
+
+
+def test_without_the_compiled_op_the_clip_is_torch_s() -> None:
+    """A build with no compiled ops (the noarch variant) clips with torch's function, bit for bit, and its step
+    reads the gradients itself."""
+    fallback = load_fallback_variant()
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = fallback.Muon(model.parameters(), lr=0.02)
+    _backward(model, 0, reference)
+    torch.testing.assert_close(opt.clip_grad_norm_(0.05), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05),
+                               rtol=0, atol=0)
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=0)
+    _poison(model, math.nan)  # after the clip: only the step's own guard can see it
+    poisoned = model[2].weight.detach().clone()
+    opt.step()
+    torch.testing.assert_close(model[2].weight, poisoned, rtol=0, atol=0)
