@@ -199,9 +199,11 @@ def nonfinite_shard_case(world: int) -> None:
     dtensor_case((world,), [Shard(0)], nan_at=(0, 1, (9, 2)))
 
 
-def fsdp2_case(world: int) -> None:
+def fsdp2_case(world: int, max_norm: float | None = None) -> None:
     """fully_shard on a small MLP (uneven shards; empty ones on 4 ranks), biases through AdamW, the batch split
-    over ranks; the reference trains an unsharded copy on the whole batch (FSDP2 averages gradients)."""
+    over ranks; the reference trains an unsharded copy on the whole batch (FSDP2 averages gradients). With
+    `max_norm`, Muon.clip_grad_norm_ clips the DTensor gradients (torch's function does it for them) and the
+    reference is clipped by torch's function on one device."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 3), nn.Tanh(), nn.Linear(3, 8))
     reference = copy.deepcopy(model)
@@ -217,6 +219,10 @@ def fsdp2_case(world: int) -> None:
         batch = torch.randn(world * per_rank, 16, generator=torch.Generator().manual_seed(200 + step))
         model(batch[rank * per_rank:(rank + 1) * per_rank]).square().mean().backward()
         reference(batch).square().mean().backward()
+        if max_norm is not None:
+            norm = ours.clip_grad_norm_(max_norm)
+            expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+            torch.testing.assert_close(norm.full_tensor() if isinstance(norm, DTensor) else norm, expected)
         ours.step()
         truth.step()
         ours.zero_grad()
@@ -367,6 +373,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def cases_for(world: int) -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {
         "fsdp2_fully_shard": partial(fsdp2_case, world),
+        "fsdp2_fully_shard_clip_grad_norm": partial(fsdp2_case, world, max_norm=0.05),
         "shard0_1d": partial(dtensor_case, (world,), [Shard(0)]),
         "shard1_1d": partial(dtensor_case, (world,), [Shard(1)]),
         "replicate_1d": partial(dtensor_case, (world,), [Replicate()]),
