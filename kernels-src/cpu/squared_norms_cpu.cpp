@@ -3,7 +3,6 @@
 // sum is finite exactly when its tensor is: gradient clipping gets its norm and the step's finite check in one read.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -12,22 +11,9 @@
 #include <ATen/core/Tensor.h>
 
 #include "finite_cpu.h"
+#include "momentum_math_cpu.h"
 
 namespace {
-
-inline double widened(float value) { return value; }
-inline double widened(double value) { return value; }
-inline double widened(c10::Half value) { return static_cast<float>(value); }
-
-// A bfloat16 is the upper half of a float32: a shift, which vectorizes where c10's conversion did not.
-inline double widened(c10::BFloat16 value) {
-  uint16_t half_bits;
-  std::memcpy(&half_bits, &value, sizeof half_bits);
-  const uint32_t bits = static_cast<uint32_t>(half_bits) << 16;
-  float widened_value;
-  std::memcpy(&widened_value, &bits, sizeof widened_value);
-  return widened_value;
-}
 
 // Sixteen independent partial sums: one chain of additions would make every load wait on the previous add.
 template <typename value_t>
@@ -37,13 +23,13 @@ MUON_VECTOR_CLONES double block_sum_of_squares(const value_t* __restrict__ value
   const int64_t whole = count / lanes * lanes;
   for (int64_t j = 0; j < whole; j += lanes) {
     for (int k = 0; k < lanes; ++k) {
-      const double value = widened(values[j + k]);
+      const double value = muon_cpu::widen(values[j + k]);
       partials[k] += value * value;
     }
   }
   double total = std::accumulate(partials, partials + lanes, 0.0);
   for (int64_t j = whole; j < count; ++j) {
-    const double value = widened(values[j]);
+    const double value = muon_cpu::widen(values[j]);
     total += value * value;
   }
   return total;
