@@ -697,7 +697,7 @@ def _autotune_notes(optimizer) -> list[str]:
         module = sys.modules.get(f"{optimizer.__name__}.triton_kernels.{module_name}")
         cache = getattr(getattr(module, kernel_name, None), "cache", {})
         for key, config in cache.items():
-            notes.append(f"triton {module_name} autotuned for {key[:2]}: {config}")
+            notes.append(f"triton {module_name} autotuned for {key}: {config}")
     return notes
 
 

@@ -54,20 +54,23 @@ if triton_kernels.TRITON_AVAILABLE:
     import triton.language as tl
 
     launch_rules = importlib.import_module(f"{triton_kernels.__name__}._launch")
+    KERNELS = [importlib.import_module(f"{triton_kernels.__name__}.xxt")._xxt_lower_kernel,
+               importlib.import_module(f"{triton_kernels.__name__}.symmetric_poly")._ba_plus_caa_lower_kernel]
     lower_tile_coords = importlib.import_module(f"{triton_kernels.__name__}._tiling").lower_tile_coords
     # Sizes are built from the tile the kernels use here so every case straddles tile edges and has off-diagonal
-    # tiles to mirror, whatever the tile is.
+    # tiles to mirror, whatever the tile is; K_STEP-multiple sizes take the kernels' unmasked K loop.
     BLOCK = launch_rules.INTERPRETER_BLOCK_M if INTERPRETER else 128
+    K_STEP = launch_rules.INTERPRETER_BLOCK_K if INTERPRETER else 64
 
     @triton.jit
-    def _tile_coords_probe(row_out, col_out, first_pid, count, BLOCK_SIZE: tl.constexpr):
+    def _tile_coords_probe(row_out, col_out, first_pid, count, BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr):
         index = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        row, col = lower_tile_coords(first_pid + index)
+        row, col = lower_tile_coords(first_pid + index, WIDTH)
         inside = index < count
         tl.store(row_out + index, row, mask=inside)
         tl.store(col_out + index, col, mask=inside)
 else:
-    BLOCK = 128
+    BLOCK, K_STEP = 128, 64
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -106,6 +109,25 @@ def random_symmetric(batch: tuple[int, ...], m: int, dtype: torch.dtype, seed: i
     return (half + half.mT).to(dtype).to(DEVICE)
 
 
+@pytest.fixture(params=["pointers", "tma"])
+def operand_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both kernels restricted to the configs that load their operands that way. The interpreter's one config is
+    copied with TMA switched on."""
+    tma = request.param == "tma"
+    for kernel in KERNELS:
+        configs = [triton.Config({**config.kwargs, "TMA": tma}, num_warps=config.num_warps,
+                                 num_stages=config.num_stages, pre_hook=config.pre_hook)
+                   for config in kernel.configs if INTERPRETER or config.kwargs["TMA"] == tma]
+        monkeypatch.setattr(kernel, "configs", configs)
+        monkeypatch.setattr(kernel, "cache", {})
+    return request.param
+
+
+def skip_unless_readable(operand: torch.Tensor, path: str) -> None:
+    if path == "tma" and launch_rules.operand_descriptors(launch_rules.as_batched(operand))[0] is None:
+        pytest.skip(f"TMA cannot read a {tuple(operand.shape)} {operand.dtype} operand")
+
+
 def xxt_fp32_error(X: torch.Tensor) -> torch.Tensor:
     # Products of bf16/fp16 values are exact in fp32, fp32 products round once; a float32 sum of n such terms in
     # any order is off by at most about n * u * sum|terms| (u = eps / 2), so n * eps is a safe worst case.
@@ -120,14 +142,19 @@ XXT_SHAPES = {
     "wide": (2 * BLOCK + 13, 2 * BLOCK + 31),
     "one_tile": (37, 101),
     "batched": (3, BLOCK + 17, 150),
+    "k_multiple_of_step": (3 * BLOCK + 5, 2 * K_STEP),
+    # Rows of a multiple of 16 bytes in every dtype, which TMA needs; the K tail is not a multiple of the K step.
+    "tma_rows": (2 * BLOCK + 13, 200),
+    "tma_batched": (3, BLOCK + 17, 152),
 }
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", XXT_SHAPES.values(), ids=XXT_SHAPES.keys())
-def test_xxt_matches_float64_product(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def test_xxt_matches_float64_product(shape: tuple[int, ...], dtype: torch.dtype, operand_path: str) -> None:
     X = random_matrix(shape, dtype, seed=len(shape) + shape[-1])
+    skip_unless_readable(X, operand_path)
     result = xxt(X, exact_fp32=True)
     assert result.shape == (*shape[:-1], shape[-2]) and result.dtype == dtype
     assert_within(result, X.double() @ X.double().mT, xxt_fp32_error(X))
@@ -159,16 +186,19 @@ def test_xxt_of_empty_rows_is_zero() -> None:
 
 # --- ba_plus_caa -------------------------------------------------------------------------------------------
 
-POLY_SHAPES = {"three_tiles": ((), 2 * BLOCK + 13), "one_tile": ((), 37), "batched": ((2,), BLOCK + 29)}
+POLY_SHAPES = {"three_tiles": ((), 2 * BLOCK + 13), "one_tile": ((), 37), "batched": ((2,), BLOCK + 29),
+               "k_multiple_of_step": ((), K_STEP), "tma_rows": ((2,), 2 * BLOCK + 16)}
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch_and_size", POLY_SHAPES.values(), ids=POLY_SHAPES.keys())
-def test_ba_plus_caa_matches_float64(batch_and_size: tuple[tuple[int, ...], int], dtype: torch.dtype) -> None:
+def test_ba_plus_caa_matches_float64(batch_and_size: tuple[tuple[int, ...], int], dtype: torch.dtype,
+                                     operand_path: str) -> None:
     batch, m = batch_and_size
     _, b, c = QUINTIC
     A = random_symmetric(batch, m, dtype, seed=m)
+    skip_unless_readable(A, operand_path)
     exact = A.double()
     result = ba_plus_caa(A, b, c, exact_fp32=True)
     # A @ A accumulates like xxt (m terms); then c * (A @ A), b * A and their sum round once each in fp32.
@@ -197,29 +227,45 @@ def test_one_newton_schulz_step_matches_float64() -> None:
 # --- shared rules ------------------------------------------------------------------------------------------
 
 
-def row_major_lower_triangle(first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, col) of every lower tile in rows [first_row, end_row), straight from the definition."""
-    rows = torch.cat([torch.full((r + 1,), r, dtype=torch.int32) for r in range(first_row, end_row)])
-    cols = torch.cat([torch.arange(r + 1, dtype=torch.int32) for r in range(first_row, end_row)])
-    return rows, cols
+def row_major_lower_tiles(first_row: int, end_row: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of every tile that reaches the diagonal or below it, in rows [first_row, end_row), straight from
+    the definition: tile (r, c) spans rows [r b, r b + b) and columns [c w b, c w b + w b), and some column of it is
+    at most some row of it."""
+    block = 4
+    tiles = [(r, c) for r in range(first_row, end_row) for c in range(r + 1)
+             if c * width * block <= r * block + block - 1]
+    return torch.tensor([r for r, _ in tiles], dtype=torch.int32), torch.tensor([c for _, c in tiles], dtype=torch.int32)
 
 
 @needs_kernels
+@pytest.mark.parametrize("width", [1, 2, 4])
 @pytest.mark.parametrize(
     ("first_row", "end_row"),
     # Rows from 4607 on are where float32 sqrt(8 pid + 1) alone first lands one row too far (checked in numpy),
-    # so the second window tests the correction steps; the first tests small rows and the diagonal start.
-    [(0, 300), (4590, 4650)],
+    # so the second window tests the correction steps (at width 2 its groups of rows reach there from row 9214);
+    # the first tests small rows and the diagonal start.
+    [(0, 300), (4590, 4650), (9200, 9240)],
 )
-def test_lower_tile_coords_enumerates_the_lower_triangle_row_by_row(first_row: int, end_row: int) -> None:
-    expected_rows, expected_cols = row_major_lower_triangle(first_row, end_row)
+def test_lower_tile_coords_enumerates_the_lower_tiles_row_by_row(first_row: int, end_row: int, width: int) -> None:
+    expected_rows, expected_cols = row_major_lower_tiles(first_row, end_row, width)
     count = expected_rows.numel()
     rows = torch.empty(count, dtype=torch.int32, device=DEVICE)
     cols = torch.empty_like(rows)
     probe_block = 1 << 14
-    first_pid = first_row * (first_row + 1) // 2
-    _tile_coords_probe[(triton.cdiv(count, probe_block),)](rows, cols, first_pid, count, BLOCK_SIZE=probe_block)
+    first_pid = launch_rules.lower_tile_count(first_row, 1, width)
+    _tile_coords_probe[(triton.cdiv(count, probe_block),)](rows, cols, first_pid, count, BLOCK_SIZE=probe_block,
+                                                           WIDTH=width)
     assert torch.equal(rows.cpu(), expected_rows) and torch.equal(cols.cpu(), expected_cols)
+
+
+@pytest.mark.skipif(not triton_kernels.TRITON_AVAILABLE, reason="needs Triton")
+@pytest.mark.parametrize("width", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 200, 8192])
+def test_lower_tile_count_counts_the_tiles_the_definition_lists(rows: int, width: int) -> None:
+    block = 64
+    row_tiles = -(-rows // block)
+    listed = sum(1 for r in range(row_tiles) for c in range(row_tiles) if c * width * block <= r * block + block - 1)
+    assert launch_rules.lower_tile_count(rows, block, width * block) == listed
 
 
 @needs_kernels
@@ -267,22 +313,29 @@ def test_launchers_explain_a_missing_triton(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.skipif(not triton_kernels.TRITON_AVAILABLE, reason="needs Triton")
-@pytest.mark.parametrize("dtype,rows,shared_memory,expected", [
-    # An H100 (227 KiB per block): all three candidates for small bf16 Gram matrices, the 128-row ones for large.
-    (torch.bfloat16, 1024, 232448, [(128, 64, 4), (128, 64, 4), (64, 64, 4)]),
-    (torch.bfloat16, 8192, 232448, [(128, 64, 4), (128, 64, 4)]),
-    # fp32 operands take twice the bytes: the 128x64 pipelines (256 KiB) do not fit, the 64-row one does.
-    (torch.float32, 8192, 232448, [(64, 64, 4)]),
-    # A T4 (64 KiB): no candidate leaves room for the epilogue, so the smaller pipelines.
-    (torch.float16, 1024, 65536, [(128, 32, 3), (64, 32, 2)]),
-    (torch.float32, 8192, 65536, [(64, 32, 2)]),
+@pytest.mark.parametrize("dtype,rows,tma,shared_memory,expected", [
+    # An H100 (227 KiB per block): all six candidates for small bf16 Gram matrices, the 128-row ones for large.
+    (torch.bfloat16, 1024, True, 232448,
+     [(128, 256, 64, 3, True), (128, 128, 64, 4, True), (128, 256, 64, 3, False), (128, 128, 64, 4, False),
+      (64, 64, 64, 4, True), (64, 64, 64, 4, False)]),
+    (torch.bfloat16, 8192, True, 232448,
+     [(128, 256, 64, 3, True), (128, 128, 64, 4, True), (128, 256, 64, 3, False), (128, 128, 64, 4, False)]),
+    # An operand TMA cannot read (a transposed view, a row of an odd number of bytes): the pointer candidates.
+    (torch.bfloat16, 8192, False, 232448, [(128, 256, 64, 3, False), (128, 128, 64, 4, False)]),
+    # fp32 operands take twice the bytes: the 128-row pipelines (256 KiB and more) do not fit, the 64-row ones do.
+    (torch.float32, 8192, True, 232448, [(64, 64, 64, 4, True), (64, 64, 64, 4, False)]),
+    # A T4 (64 KiB, no TMA): no candidate leaves room for the epilogue, so the smaller pipelines.
+    (torch.float16, 1024, False, 65536, [(128, 128, 32, 3, False), (64, 64, 32, 2, False)]),
+    (torch.float32, 8192, False, 65536, [(64, 64, 32, 2, False)]),
 ])
-def test_tile_configs_fit_shared_memory(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int,
-                                        shared_memory: int, expected: list[tuple[int, int, int]]) -> None:
+def test_tile_configs_fit_shared_memory(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, tma: bool,
+                                        shared_memory: int, expected: list[tuple[int, int, int, int, bool]]) -> None:
     monkeypatch.setattr(launch_rules, "INTERPRETER", False)
     monkeypatch.setattr(launch_rules, "_max_shared_memory", lambda: shared_memory)
     configs = launch_rules.symmetric_tile_configs()
-    kept = launch_rules.prune_tile_configs(configs, {"x_ptr": torch.empty(0, dtype=dtype), "M": rows})
-    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages) for c in kept] == expected
+    kept = launch_rules.prune_tile_configs(configs, {"x_ptr": torch.empty(0, dtype=dtype), "M": rows}, TMA_READY=tma)
+    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.kwargs["TMA"])
+             for c in kept]
+    assert tiles == expected
     element_size = torch.empty(0, dtype=dtype).element_size()
     assert all(launch_rules._operand_bytes(c, element_size) <= shared_memory for c in kept)

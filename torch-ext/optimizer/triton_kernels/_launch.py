@@ -9,6 +9,11 @@ import torch
 import triton
 from torch import Tensor
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton before 3.4
+    TensorDescriptor = None
+
 # Decided once, like Triton itself decides at decoration time whether @triton.jit kernels run interpreted.
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -18,28 +23,42 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BATCH = 65535
 
 # The interpreter's cost is Python work per program and per K step, so it gets one large tile (autotuning between
-# several configs would call do_bench, which needs a GPU).
-INTERPRETER_BLOCK_M = 128
+# several configs would call do_bench, which needs a GPU). The tile is twice as wide as tall, so the CPU tests run
+# the wide tiles' arithmetic; lower_tile_coords is tested at both widths.
+INTERPRETER_BLOCK_M = 64
+INTERPRETER_BLOCK_N = 128
 INTERPRETER_BLOCK_K = 128
 
 
+def _tiles(block_m: int, block_n: int, block_k: int, *, tma: bool = False, **launch: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "TMA": tma}, **launch,
+                         pre_hook=_size_descriptor_blocks)
+
+
 def symmetric_tile_configs() -> list[triton.Config]:
-    """Square output tiles (BLOCK_M x BLOCK_M) and a K step; a mirror needs square tiles. The first three are the
-    candidates; the last two are for when none of them fits the GPU's shared memory (fp32 operands, small GPUs)."""
+    """Output tiles BLOCK_M x BLOCK_N (BLOCK_N a multiple of BLOCK_M, for the mirror), a K step, and whether the
+    operands come through TMA descriptors. The first six are the candidates; the last two are for when none of them
+    fits the GPU's shared memory (fp32 operands, small GPUs)."""
     if INTERPRETER:
-        return [triton.Config({"BLOCK_M": INTERPRETER_BLOCK_M, "BLOCK_K": INTERPRETER_BLOCK_K})]
+        return [_tiles(INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K)]
     return [
-        # What the autotuner chose on an H100 from 4096 rows on (benchmarks/results/), and a 4-warp variant.
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        # The tiles of Triton's Hopper matmul tutorials, through TMA and through pointers: a 128x256 tile loads a
+        # quarter fewer operand bytes per multiply-add than a 128x128 one. Not yet measured here.
+        _tiles(128, 256, 64, tma=True, num_warps=8, num_stages=3),
+        _tiles(128, 128, 64, tma=True, num_warps=8, num_stages=4),
+        _tiles(128, 256, 64, num_warps=8, num_stages=3),
+        # What the autotuner chose on an H100 from 4096 rows on (benchmarks/results/).
+        _tiles(128, 128, 64, num_warps=8, num_stages=4),
         # Small Gram matrices have few lower tiles: smaller tiles keep more SMs busy (chosen below 4096 rows there).
-        triton.Config({"BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 32}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2),
+        # They are also the only candidates whose fp32 pipelines fit.
+        _tiles(64, 64, 64, tma=True, num_warps=4, num_stages=4),
+        _tiles(64, 64, 64, num_warps=4, num_stages=4),
+        _tiles(128, 128, 32, num_warps=8, num_stages=3),
+        _tiles(64, 64, 32, num_warps=4, num_stages=2),
     ]
 
 
-_CANDIDATES = 3
+_CANDIDATES = 6
 # From this many rows even 128-row tiles give every SM of a large GPU several lower tiles, so the autotuner does not
 # compile and time the small-tile config there.
 SMALL_TILES_BELOW_ROWS = 4096
@@ -51,7 +70,8 @@ EPILOGUE_SHARED_BYTES = 16 * 1024
 
 def _operand_bytes(config: triton.Config, element_size: int) -> int:
     """Shared memory the software pipeline stages: both K slices, once per stage."""
-    return 2 * config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_K"] * element_size * config.num_stages
+    tile = config.kwargs
+    return (tile["BLOCK_M"] + tile["BLOCK_N"]) * tile["BLOCK_K"] * element_size * config.num_stages
 
 
 def _max_shared_memory() -> int:
@@ -60,17 +80,52 @@ def _max_shared_memory() -> int:
 
 
 def prune_tile_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The candidates whose pipeline fits this GPU's shared memory (else the fallbacks that fit), without the small
-    tiles for large Gram matrices."""
+    """The candidates whose pipeline fits this GPU's shared memory and, for the TMA ones, whose operand has TMA
+    descriptors (else the fallbacks that fit), without the small tiles for large Gram matrices."""
     element_size = next(arg.element_size() for arg in named_args.values() if isinstance(arg, Tensor))
     limit = _max_shared_memory() - EPILOGUE_SHARED_BYTES
     fitting = [(index, config) for index, config in enumerate(configs)
-               if _operand_bytes(config, element_size) <= limit]
+               if _operand_bytes(config, element_size) <= limit and (kwargs["TMA_READY"] or not config.kwargs["TMA"])]
     candidates = ([config for index, config in fitting if index < _CANDIDATES]
                   or [config for _, config in fitting] or configs[-1:])
     if named_args["M"] >= SMALL_TILES_BELOW_ROWS:
         candidates = [config for config in candidates if config.kwargs["BLOCK_M"] >= 128] or candidates
     return candidates
+
+
+def operand_descriptors(operand: Tensor) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+    """Two TMA descriptors of a (batch, m, k) operand, for the row blocks of the left and of the right factor (their
+    block shapes are set per config, by _size_descriptor_blocks), or (None, None) where TMA cannot read it: a GPU
+    before Hopper, a Triton without host descriptors, or a layout TMA cannot address (rows not contiguous, a stride
+    or the start not a multiple of 16 bytes)."""
+    if TensorDescriptor is None or not _has_tma(operand.device):
+        return None, None
+    batch, rows, cols = operand.shape
+    # A lone matrix's batch stride is never used; give it one TMA accepts.
+    strides = [operand.stride(0) if batch > 1 else rows * operand.stride(1), operand.stride(1), operand.stride(2)]
+    element_size = operand.element_size()
+    aligned = operand.data_ptr() % 16 == 0 and all(stride * element_size % 16 == 0 for stride in strides[:2])
+    if strides[2] != 1 or not aligned:
+        return None, None
+    return tuple(TensorDescriptor(operand, [batch, rows, cols], strides, [1, 16, 16]) for _ in range(2))
+
+
+def _has_tma(device: torch.device) -> bool:
+    if INTERPRETER:
+        return True
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _size_descriptor_blocks(args: dict) -> None:
+    """The descriptors' block shapes for the config about to run (one row block of each factor per K step)."""
+    if args["left_desc"] is not None:
+        args["left_desc"].block_shape = [1, args["BLOCK_M"], args["BLOCK_K"]]
+        args["right_desc"].block_shape = [1, args["BLOCK_N"], args["BLOCK_K"]]
+
+
+def k_divides(k_name: str) -> Callable[[dict], bool]:
+    """The EVEN_K heuristic: whether the named size is a multiple of the K step, so no load needs a K mask."""
+    return lambda args: args[k_name] % args["BLOCK_K"] == 0
 
 
 def check_operand(name: str, operand: Tensor, *, square: bool) -> None:
@@ -114,11 +169,18 @@ def dot_flags(dtype: torch.dtype, exact_fp32: bool) -> dict[str, bool]:
     }
 
 
+def lower_tile_count(m: int, block_m: int, block_n: int) -> int:
+    """How many BLOCK_M x BLOCK_N tiles reach the diagonal of an m x m matrix or go below it: row tile r needs
+    r // width + 1 of them (width = block_n / block_m), the count lower_tile_coords enumerates."""
+    width = block_n // block_m
+    groups, rest = divmod(triton.cdiv(m, block_m), width)
+    return width * groups * (groups + 1) // 2 + rest * (groups + 1)
+
+
 def lower_tile_grid(m: int, batch: int) -> Callable[[dict], tuple[int, int]]:
     """One program per tile on or below the diagonal, times the batch."""
 
     def grid(meta: dict) -> tuple[int, int]:
-        tiles_per_side = triton.cdiv(m, meta["BLOCK_M"])
-        return tiles_per_side * (tiles_per_side + 1) // 2, batch
+        return lower_tile_count(m, meta["BLOCK_M"], meta["BLOCK_N"]), batch
 
     return grid

@@ -8,16 +8,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import (as_batched, check_operand, dot_flags, gram_output, lower_tile_grid, prune_tile_configs,
-                      symmetric_tile_configs)
+from ._launch import (as_batched, check_operand, dot_flags, gram_output, k_divides, lower_tile_grid,
+                      operand_descriptors, prune_tile_configs, symmetric_tile_configs)
 from ._tiling import gram_tile, load_tile_fp32, lower_tile_coords, store_mirrored
 
 
-@triton.autotune(configs=symmetric_tile_configs(), key=["M"],
+@triton.autotune(configs=symmetric_tile_configs(), key=["M", "TMA_READY"],
                  prune_configs_by={"early_config_prune": prune_tile_configs})
+@triton.heuristics({"EVEN_K": k_divides("M")})
 @triton.jit
 def _ba_plus_caa_lower_kernel(
     a_ptr,
+    left_desc,
+    right_desc,
     out_ptr,
     b,
     c,
@@ -28,19 +31,25 @@ def _ba_plus_caa_lower_kernel(
     stride_ob,
     stride_om,
     stride_on,
+    TMA_READY: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    row_tile, col_tile = lower_tile_coords(tl.program_id(0))
-    batch = tl.program_id(1).to(tl.int64)
-    matrix = a_ptr + batch * stride_ab
+    row_tile, col_tile = lower_tile_coords(tl.program_id(0), BLOCK_N // BLOCK_M)
+    batch = tl.program_id(1)
+    matrix = a_ptr + batch.to(tl.int64) * stride_ab
     # A @ A == A @ A^T for symmetric A, which reads both operands along rows.
-    square = gram_tile(matrix, row_tile, col_tile, M, M, stride_am, stride_an, BLOCK_M, BLOCK_K, UPCAST_DOT, IEEE_FP32)
-    linear = load_tile_fp32(matrix, row_tile, col_tile, M, stride_am, stride_an, BLOCK_M)
+    square = gram_tile(matrix, left_desc, right_desc, batch, row_tile, col_tile, M, M, stride_am, stride_an, BLOCK_M,
+                       BLOCK_N, BLOCK_K, EVEN_K, TMA, UPCAST_DOT, IEEE_FP32)
+    linear = load_tile_fp32(matrix, row_tile, col_tile, M, stride_am, stride_an, BLOCK_M, BLOCK_N)
     result = b * linear + c * square
-    store_mirrored(out_ptr + batch * stride_ob, result, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M)
+    out = out_ptr + batch.to(tl.int64) * stride_ob
+    store_mirrored(out, result, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M, BLOCK_N)
 
 
 def ba_plus_caa(A: Tensor, b: float, c: float, out: Tensor | None = None, *, exact_fp32: bool = False) -> Tensor:
@@ -56,7 +65,9 @@ def ba_plus_caa(A: Tensor, b: float, c: float, out: Tensor | None = None, *, exa
         return result
     a3, out3 = as_batched(A), as_batched(result)
     batch, m, _ = a3.shape
+    left_desc, right_desc = operand_descriptors(a3)
     _ba_plus_caa_lower_kernel[lower_tile_grid(m, batch)](
-        a3, out3, float(b), float(c), m, *a3.stride(), *out3.stride(), **dot_flags(A.dtype, exact_fp32)
+        a3, left_desc, right_desc, out3, float(b), float(c), m, *a3.stride(), *out3.stride(),
+        TMA_READY=left_desc is not None, **dot_flags(A.dtype, exact_fp32)
     )
     return result

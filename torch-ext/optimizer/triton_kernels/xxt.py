@@ -6,16 +6,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import (as_batched, check_operand, dot_flags, gram_output, lower_tile_grid, prune_tile_configs,
-                      symmetric_tile_configs)
+from ._launch import (as_batched, check_operand, dot_flags, gram_output, k_divides, lower_tile_grid,
+                      operand_descriptors, prune_tile_configs, symmetric_tile_configs)
 from ._tiling import gram_tile, lower_tile_coords, store_mirrored
 
 
-@triton.autotune(configs=symmetric_tile_configs(), key=["M", "K"],
+@triton.autotune(configs=symmetric_tile_configs(), key=["M", "K", "TMA_READY"],
                  prune_configs_by={"early_config_prune": prune_tile_configs})
+@triton.heuristics({"EVEN_K": k_divides("K")})
 @triton.jit
 def _xxt_lower_kernel(
     x_ptr,
+    left_desc,
+    right_desc,
     out_ptr,
     M,
     K,
@@ -25,16 +28,22 @@ def _xxt_lower_kernel(
     stride_ob,
     stride_om,
     stride_on,
+    TMA_READY: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    row_tile, col_tile = lower_tile_coords(tl.program_id(0))
-    batch = tl.program_id(1).to(tl.int64)
-    x = x_ptr + batch * stride_xb
-    gram = gram_tile(x, row_tile, col_tile, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K, UPCAST_DOT, IEEE_FP32)
-    store_mirrored(out_ptr + batch * stride_ob, gram, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M)
+    row_tile, col_tile = lower_tile_coords(tl.program_id(0), BLOCK_N // BLOCK_M)
+    batch = tl.program_id(1)
+    x = x_ptr + batch.to(tl.int64) * stride_xb
+    gram = gram_tile(x, left_desc, right_desc, batch, row_tile, col_tile, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_N,
+                     BLOCK_K, EVEN_K, TMA, UPCAST_DOT, IEEE_FP32)
+    out = out_ptr + batch.to(tl.int64) * stride_ob
+    store_mirrored(out, gram, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M, BLOCK_N)
 
 
 def xxt(X: Tensor, out: Tensor | None = None, *, exact_fp32: bool = False) -> Tensor:
@@ -46,7 +55,9 @@ def xxt(X: Tensor, out: Tensor | None = None, *, exact_fp32: bool = False) -> Te
         return result
     x3, out3 = as_batched(X), as_batched(result)
     batch, m, n = x3.shape
+    left_desc, right_desc = operand_descriptors(x3)
     _xxt_lower_kernel[lower_tile_grid(m, batch)](
-        x3, out3, m, n, *x3.stride(), *out3.stride(), **dot_flags(X.dtype, exact_fp32)
+        x3, left_desc, right_desc, out3, m, n, *x3.stride(), *out3.stride(), TMA_READY=left_desc is not None,
+        **dot_flags(X.dtype, exact_fp32)
     )
     return result
