@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import pickle
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from kernel_under_test import optimizer, submodule
 
 Muon = optimizer.Muon
 functional = sys.modules[f"{optimizer.__name__}.functional"]
+TRITON_INTERPRETED = functional.TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
@@ -64,7 +66,18 @@ def test_matches_torch_muon(nesterov: bool) -> None:
                                        rtol=1e-6, atol=1e-6)
 
 
-def test_matches_torch_adamw_for_non_matrices() -> None:
+@pytest.fixture(params=["fused per dtype", "one Triton launch"])
+def adamw_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The CPU's AdamW path (the flags read, then torch's fused kernel once per dtype), or the GPUs' (one Triton
+    launch per dtype with a skip flag per tensor), run here by the Triton interpreter."""
+    if request.param == "one Triton launch":
+        if not TRITON_INTERPRETED:
+            pytest.skip("CPU tensors in Triton kernels need the interpreter")
+        monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+    return request.param
+
+
+def test_matches_torch_adamw_for_non_matrices(adamw_path: str) -> None:
     torch.manual_seed(0)
     ours = [torch.randn(37), torch.randn(5, 1), torch.randn(())]  # 1D, degenerate matrix, scalar: all AdamW
     theirs = [p.clone() for p in ours]
@@ -80,6 +93,40 @@ def test_matches_torch_adamw_for_non_matrices() -> None:
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
         assert "momentum_buffer" not in opt.state[p]
         assert float(opt.state[p]["step"]) == 5
+
+
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
+def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+    launches = []
+    launch = functional.adamw_flagged_
+    monkeypatch.setattr(functional, "adamw_flagged_",
+                        lambda params, *args, **kwargs: launches.append([p.dtype for p in params])
+                        or launch(params, *args, **kwargs))
+    torch.manual_seed(0)
+    wide = torch.randn(9, 7)
+    ours = [torch.randn(37), torch.randn(5, 1), torch.randn(16).bfloat16(), wide.T]  # the last a transposed view
+    theirs = [p.clone(memory_format=torch.contiguous_format) for p in ours]  # torch's CPU fused misreads views
+    opt = Muon([dict(params=ours, use_muon=False)], lr=0.01, adamw_lr=3e-3, adamw_betas=(0.8, 0.99),
+               adamw_eps=1e-6, adamw_weight_decay=0.05)
+    settings = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    references = [torch.optim.AdamW(group, fused=True, **settings) for group in ([theirs[i] for i in (0, 1, 3)],
+                                                                                 [theirs[2]])]
+    for step in range(3):
+        seeded_grads(ours, step)
+        seeded_grads(theirs, step)
+        opt.step()
+        for reference in references:
+            reference.step()
+    # One launch per dtype for the contiguous ones; the transposed view went through torch's fused kernel.
+    assert launches == [[torch.float32, torch.float32], [torch.bfloat16]] * 3
+    for i in (0, 1, 3):
+        torch.testing.assert_close(ours[i], theirs[i], rtol=1e-6, atol=1e-6)
+    # bf16: the same fp32 arithmetic, rounded once per stored value, an ulp apart at most per step (the interpreter
+    # truncates its stores); an ulp is at most eps * |value|.
+    bound = 3 * torch.finfo(torch.bfloat16).eps * theirs[2].float().abs()
+    assert ((ours[2].float() - theirs[2].float()).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("move_lr", ["hand-set", "ReduceLROnPlateau", "OneCycleLR"])
@@ -426,7 +473,7 @@ def test_verbose_logs_each_parameters_route(caplog: pytest.LogCaptureFixture) ->
 # --- non-finite and zero gradients ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_gradient_leaves_parameter_and_state_unchanged(bad: float) -> None:
+def test_nonfinite_gradient_leaves_parameter_and_state_unchanged(bad: float, adamw_path: str) -> None:
     params = [torch.randn(8, 8), torch.randn(8, 8), torch.randn(8), torch.randn(8)]
     opt = Muon(params, lr=0.1)
     seeded_grads(params, 0)

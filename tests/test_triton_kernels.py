@@ -1,53 +1,13 @@
 """The symmetric Triton kernels against float64 `torch` products, under the Triton interpreter on the CPU."""
 
-import os
+import importlib
+import sys
 
-# Must precede every @triton.jit decoration, ours included; later it is too late ("0 active drivers").
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+from triton_under_test import DEVICE, INTERPRETER, load_package_by_path, needs_kernels, triton_kernels
 
-import importlib  # noqa: E402
-import importlib.util  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-from types import ModuleType  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-TORCH_EXT = Path(__file__).resolve().parents[1] / "torch-ext"
-PACKAGE_DIR = TORCH_EXT / "optimizer" / "triton_kernels"
-
-
-def load_package_by_path(module_name: str) -> ModuleType:
-    """The subpackage alone, bypassing `optimizer/__init__.py` (whose other imports may be mid-edit)."""
-    spec = importlib.util.spec_from_file_location(
-        module_name, PACKAGE_DIR / "__init__.py", submodule_search_locations=[str(PACKAGE_DIR)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def import_triton_kernels() -> ModuleType:
-    sys.path.insert(0, str(TORCH_EXT))
-    try:
-        return importlib.import_module("optimizer.triton_kernels")
-    except ImportError:
-        return load_package_by_path("optimizer_triton_kernels_from_source")
-    finally:
-        sys.path.remove(str(TORCH_EXT))
-
-
-triton_kernels = import_triton_kernels()
 xxt, ba_plus_caa = triton_kernels.xxt, triton_kernels.ba_plus_caa
-
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETER else "cuda"
-needs_kernels = pytest.mark.skipif(
-    not triton_kernels.TRITON_AVAILABLE or not (INTERPRETER or torch.cuda.is_available()),
-    reason="needs Triton and either its interpreter or a GPU",
-)
 
 if triton_kernels.TRITON_AVAILABLE:
     import triton
@@ -307,6 +267,9 @@ def test_launchers_explain_a_missing_triton(monkeypatch: pytest.MonkeyPatch) -> 
             package.xxt(torch.ones(2, 2))
         with pytest.raises(RuntimeError, match="Triton is not installed"):
             package.ba_plus_caa(torch.eye(2), 1.0, 1.0)
+        with pytest.raises(RuntimeError, match="Triton is not installed"):
+            package.adamw_flagged_([], [], [], [], [], torch.zeros(0), lr=0.1, betas=(0.9, 0.99), eps=1e-8,
+                                   weight_decay=0.0)
     finally:
         for module_name in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
             del sys.modules[module_name]

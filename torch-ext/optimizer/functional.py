@@ -20,12 +20,17 @@ from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
+from .triton_kernels import TRITON_AVAILABLE, adamw_flagged_
 from .workspace import Workspace
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rsqrt_in")
 
 # A tensor lr stays a tensor through the update, so that a compiled step never reads its value.
 LearningRate = float | Tensor
+
+# Devices whose AdamW parameters go through the Triton kernel that takes a skip flag per tensor in one launch (on
+# others, torch's fused kernel per parameter, or on the CPU once per dtype after reading the flags).
+ONE_LAUNCH_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
 def adjusted_lr(lr: LearningRate, adjust_lr_fn: str | None, view: MatrixView,
@@ -221,9 +226,10 @@ class AdamWTensors:
 
 def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: LearningRate,
                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """torch's fused AdamW kernel with a skip flag per parameter: found_inf is (N,) float32 on the items' device, 1.0
-    where that parameter's step is skipped. On GPUs one call per parameter, each with its flag (no host read); on
-    the CPU the flags are read (`_fused_adamw_taken_`).
+    """AdamW with a skip flag per parameter: found_inf is (N,) float32 on the items' device, 1.0 where that
+    parameter's step is skipped. On GPUs, with Triton, one launch per dtype for all parameters whose tensors are
+    contiguous and whose moments are stored as they are (`_adamw_one_launch_`); torch's fused kernel for the rest,
+    one call per parameter, each with its flag (no host read); on the CPU the flags are read (`_fused_adamw_taken_`).
 
     The kernel is called directly: `torch.optim.adamw.adamw`'s grouping and checks cost ~25 µs per call, more than the
     kernel itself on a bias vector, and here each call holds one tensor of known device and dtype. What that wrapper
@@ -234,11 +240,49 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: Learni
     torch._foreach_add_([item.step for item in items], (1 - found_inf).unbind())
     torch._foreach_add_([item.nonfinite_skips for item in items], found_inf.to(torch.int64).unbind())
     step_lr = lr.to(found_inf.device) if isinstance(lr, Tensor) else lr
-    if found_inf.device.type == "cpu":
-        _fused_adamw_taken_(items, found_inf.tolist(), lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    settings = dict(lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    device_type = found_inf.device.type
+    if TRITON_AVAILABLE and device_type in ONE_LAUNCH_DEVICE_TYPES:
+        left = _adamw_one_launch_(items, found_inf, **settings)
+    elif device_type == "cpu":
+        _fused_adamw_taken_(items, found_inf.tolist(), **settings)
         return
-    for item, flag in zip(items, found_inf.unbind()):
-        _fused_adamw_one_(item, flag, lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    else:
+        left = list(range(len(items)))
+    flags = found_inf.unbind()
+    for index in left:
+        _fused_adamw_one_(items[index], flags[index], **settings)
+
+
+def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: LearningRate,
+                       betas: tuple[float, float], eps: float, weight_decay: float) -> list[int]:
+    """The parameters `_fits_one_launch` takes, through the Triton kernel in one launch per dtype, each with its skip
+    flag; returns the indices of the others."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    left = []
+    for index, item in enumerate(items):
+        if _fits_one_launch(item):
+            by_dtype.setdefault(item.param.dtype, []).append(index)
+        else:
+            left.append(index)
+    for indices in by_dtype.values():
+        group = [items[i] for i in indices]
+        skipped = found_inf if len(indices) == len(items) else found_inf[indices]
+        adamw_flagged_([item.param for item in group], [item.grad for item in group],
+                       [item.exp_avg for item in group], [item.exp_avg_sq for item in group],
+                       [item.step for item in group], skipped, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return left
+
+
+def _fits_one_launch(item: AdamWTensors) -> bool:
+    """Whether the one-launch kernel takes this parameter: moments stored as they are, and parameter, gradient and
+    moments contiguous, of one shape and of one dtype it supports."""
+    param = item.param
+    tensors = (param, item.grad, item.exp_avg, item.exp_avg_sq)
+    return (item.rounding_count is None and param.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(tensor.dtype == param.dtype and tensor.shape == param.shape and tensor.is_contiguous()
+                    for tensor in tensors)
+            and item.step.dtype == torch.float32)
 
 
 def _fused_adamw_taken_(items: Sequence[AdamWTensors], skipped: Sequence[float], *, lr: LearningRate,

@@ -1,4 +1,5 @@
-"""Triton kernels for Newton-Schulz that exploit symmetry: X X^T and b*A + c*A@A compute only lower tiles.
+"""Triton kernels: for Newton-Schulz, X X^T and b*A + c*A@A computing only lower tiles (they exploit symmetry); for
+the AdamW part, one launch over many tensors with a skip flag per tensor.
 
 Triton is optional: without it `TRITON_AVAILABLE` is False and the launchers raise a RuntimeError when called.
 """
@@ -11,9 +12,10 @@ else:
     TRITON_AVAILABLE = True
 
 if TRITON_AVAILABLE:
+    from .adamw import adamw_flagged_
     from .symmetric_poly import ba_plus_caa
     from .xxt import xxt
 else:
-    from ._without_triton import ba_plus_caa, xxt
+    from ._without_triton import adamw_flagged_, ba_plus_caa, xxt
 
-__all__ = ["TRITON_AVAILABLE", "ba_plus_caa", "xxt"]
+__all__ = ["TRITON_AVAILABLE", "adamw_flagged_", "ba_plus_caa", "xxt"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
 
 _MISSING = "Triton is not installed: {name} needs the `triton` package (pip install triton)"
@@ -13,3 +15,9 @@ def xxt(X: Tensor, out: Tensor | None = None, *, exact_fp32: bool = False) -> Te
 
 def ba_plus_caa(A: Tensor, b: float, c: float, out: Tensor | None = None, *, exact_fp32: bool = False) -> Tensor:
     raise RuntimeError(_MISSING.format(name="ba_plus_caa"))
+
+
+def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                   exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], skipped: Tensor, *, lr: float | Tensor,
+                   betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    raise RuntimeError(_MISSING.format(name="adamw_flagged_"))
