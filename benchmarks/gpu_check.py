@@ -1,10 +1,12 @@
-"""GPU correctness, one command: every backend's symmetric products and Newton-Schulz against float64, and one
-`Muon.step()` against `torch.optim.Muon` on the same GPU. Needs a CUDA device and `make build` (or tools/build.py).
+"""GPU correctness, one command: every backend's symmetric products and Newton-Schulz against float64, one
+`Muon.step()` against `torch.optim.Muon` and three steps of the AdamW part against fused `torch.optim.AdamW` on the
+same GPU. Needs a CUDA device and `make build` (or tools/build.py).
 
-Each row compares a result with the same computation in float64 from the same stored inputs, by
-||out - ref|| / ||ref||, and beside it cuBLAS's own error in the same dtype (`torch` backend): a backend passes when
-its error is within 2x cuBLAS's (plus one unit roundoff), so the bar is set by a library
-nobody here wrote, not by a number picked to pass; a symmetric kernel's output must also be symmetric bit for bit.
+Each row but the AdamW ones (held to torch's fused kernel) compares a result with the same computation in float64
+from the same stored inputs, by ||out - ref|| / ||ref||, and beside it cuBLAS's own error in the same dtype (`torch`
+backend): a backend passes when its error is within 2x cuBLAS's (plus one unit roundoff), so the bar is set by a
+library nobody here wrote, not by a number picked to pass; a symmetric kernel's output must also be symmetric bit for
+bit.
 Writes a markdown table; exits 1 if any row fails.
 """
 
@@ -147,6 +149,43 @@ def check_step_against_torch(optimizer, generator: torch.Generator) -> list[Chec
     return checks
 
 
+def check_adamw_against_torch(optimizer, generator: torch.Generator) -> list[Check]:
+    """Three steps of the AdamW part (GPT-2 small's vector sizes and a 5000x768 embedding, all AdamW-routed) against
+    torch.optim.AdamW(fused=True) on the same GPU, fp32 and bf16; at the third step one gradient holds a NaN, and
+    that parameter must keep its second step's value bit for bit. Both compute in fp32 and round once per stored
+    value, so parameters may differ by an ulp per step: the bar is 3 unit roundoffs of the dtype, relative."""
+    functional = sys.modules[f"{optimizer.__name__}.functional"]
+    path = "one Triton launch per dtype" if functional.TRITON_AVAILABLE else "torch fused, one call per parameter"
+    shapes = [(2304,), (768,), (3072,), (768,), (5000, 768)]
+    settings = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    checks = []
+    for dtype in (torch.float32, torch.bfloat16):
+        params = [(torch.randn(s, generator=generator, device="cuda") * 0.02).to(dtype) for s in shapes]
+        theirs = [p.clone().requires_grad_() for p in params]
+        ours = [p.clone().requires_grad_() for p in params]
+        reference = torch.optim.AdamW(theirs, fused=True, **settings)
+        opt = optimizer.Muon([dict(params=ours, use_muon=False)], lr=settings["lr"], adamw_lr=settings["lr"],
+                             adamw_betas=settings["betas"], adamw_eps=settings["eps"],
+                             adamw_weight_decay=settings["weight_decay"])
+        for step in range(3):
+            grads = [torch.randn(s, generator=generator, device="cuda").to(dtype) for s in shapes]
+            if step == 2:
+                before_nan = ours[0].detach().clone()
+                grads[0][7] = float("nan")
+            for p, q, g in zip(theirs, ours, grads):
+                p.grad, q.grad = (None if g is grads[0] and step == 2 else g.clone()), g.clone()
+            reference.step()
+            opt.step()
+        name = str(dtype).removeprefix("torch.")
+        for shape, a, b in zip(shapes[1:], theirs[1:], ours[1:]):
+            checks.append(Check("AdamW part vs torch.optim.AdamW(fused=True)", f"{shape} {name}, 3 steps", path,
+                                relative_error(b.detach(), a.detach().double()), 3 * torch.finfo(dtype).eps))
+        kept = torch.equal(ours[0].detach(), before_nan)
+        checks.append(Check("AdamW part, a NaN gradient", f"{shapes[0]} {name}: parameter unchanged", path,
+                            0.0 if kept else float("inf"), 0.0))
+    return checks
+
+
 def load_both_ways() -> tuple[object, list[str]]:
     """The CUDA build through get_local_kernel and through get_kernel with LOCAL_KERNELS; both must be compiled."""
     local = get_local_kernel(REPO_ROOT / "build")
@@ -175,6 +214,7 @@ def main() -> None:
         checks += check_newton_schulz(optimizer, dispatch, dtype, generator)
     checks += check_polar_factor(optimizer, generator)
     checks += check_step_against_torch(optimizer, generator)
+    checks += check_adamw_against_torch(optimizer, generator)
     props = torch.cuda.get_device_properties(0)
     header = [f"# GPU correctness: {props.name} (sm_{props.major}{props.minor}), {datetime.date.today()}", "",
               f"torch {torch.__version__}, CUDA {torch.version.cuda}", *(f"- {line}" for line in load_lines), "",
