@@ -184,8 +184,7 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         orthogonal = orthogonalizer(matrices, workspace)
         params = [item.param for item in bucket]
         skipped = finite.eq(0)
-        for item, was_skipped in zip(bucket, skipped.unbind()):
-            item.nonfinite_skips.add_(was_skipped)
+        torch._foreach_add_([item.nonfinite_skips for item in bucket], skipped.to(torch.int64).unbind())
         updates = [item.view.from_matrices(part, item.param.shape)
                    for item, part in zip(bucket, orthogonal.split(batches))]
         rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
