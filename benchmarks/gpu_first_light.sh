@@ -2,13 +2,14 @@
 # Everything a GPU machine should run, one command: build the CUDA variant against the machine's own torch, run the
 # whole test suite with the CUDA cases and compiled Triton, the GPU correctness checks, the demo on the GPU and the
 # benchmarks, and `kernels benchmark` on the checkout. OUTDIR/summary.txt gets the machine's description and one line
-# per stage, OUTDIR/<stage>.log each stage's output; the correctness table and the benchmark table land in OUTDIR too
-# (nine files in all). The test stage includes the notebook (tests/test_notebook.py: nbclient, nbformat, ipykernel)
+# per stage, OUTDIR/<stage>.log each stage's output; the correctness table, the benchmark table and the profile of one
+# GPT-2-small step (ours and torch's: operators, kernel launches, host time per operator) land in OUTDIR too (eleven
+# files in all). The test stage includes the notebook (tests/test_notebook.py: nbclient, nbformat, ipykernel)
 # and the get_kernel + LOCAL_KERNELS load, so those must be installed too.
-#   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,bench,check,demo,hub,test)
+#   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,bench,check,profile,demo,hub,test)
 set -uo pipefail
-out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [build,bench,check,demo,hub,test]}")
-stages=",${2:-build,bench,check,demo,hub,test},"
+out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [build,bench,check,profile,demo,hub,test]}")
+stages=",${2:-build,bench,check,profile,demo,hub,test},"
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 PY=${PYTHON:-python3}
@@ -40,6 +41,7 @@ environment >>"$out/summary.txt" 2>&1
 stage build 400 "$PY" tools/build.py
 stage bench 400 "$PY" benchmarks/bench.py --sections gram,zeropower,step --results-dir "$out"
 stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
+stage profile 120 "$PY" benchmarks/step_profile.py --out "$out/step_profile.md"
 stage demo 120 "$PY" examples/train_gpt.py --device cuda --out "${TMPDIR:-/tmp}/optimizer-demo"
 stage hub 300 "$PY" -c 'import sys; from kernels.cli import main; sys.argv = ["kernels", "benchmark", "."]; main()'
 # pytest-xdist, where installed, compiles the Triton kernels of several test files at once; one file per worker

@@ -1,0 +1,88 @@
+"""Where one optimizer step's time goes, ours beside torch's, on GPT-2 small's parameters (its 48 hidden matrices to
+Muon, its vectors and token embedding to AdamW): torch.profiler over the third step of each (the first creates the
+state, the second warms the caches), with the count of operators and of kernel launches, and each one's costliest
+operators by host time.
+
+On a GPU a small model's step is bound by the host, not by the products (the H100 run of 2026-11-23: 24 ms for ~2 ms
+of Newton-Schulz), so the launch count and the host time per operator are what to shrink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+BENCHMARKS = Path(__file__).resolve().parent
+TOP = 25
+
+
+def _steps(optimizer, device: torch.device) -> dict[str, Callable[[], None]]:
+    import bench  # noqa: PLC0415 (the shapes and parameters the step benchmark uses)
+
+    matrices, vectors = bench._step_params(device, bench.GPT2_SMALL_BLOCK, bench.GPT2_SMALL_VECTORS,
+                                           bench.GPT2_BLOCKS, [bench.GPT2_EMBEDDING])
+    theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
+              torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
+    ours = optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02)
+
+    def torch_step() -> None:
+        for opt in theirs:
+            opt.step()
+
+    return {"torch.optim.Muon + fused AdamW": torch_step, "optimizer.Muon (defaults)": ours.step}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def profile_step(step: Callable[[], None], device: torch.device) -> list[str]:
+    for _ in range(2):
+        step()
+    _synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as trace:
+        start = time.perf_counter()
+        step()
+        _synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    events = trace.events()
+    operators = sum(1 for event in events if _is_operator(event) and not _is_operator(event.cpu_parent))
+    launches = sum(1 for event in events if event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    table = trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP, max_name_column_width=60)
+    return [f"step {wall_ms:.2f} ms (profiled); operators called from Python: {operators}; kernel launches: {launches}",
+            "", "```", table, "```"]
+
+
+def _is_operator(event) -> bool:
+    """An operator's event (aten's, or one of the package's compiled ops), as opposed to a record_function range."""
+    return event is not None and "::" in event.name and not event.name.startswith("Optimizer.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, required=True, help="markdown file for the report")
+    args = parser.parse_args()
+    from kernels import get_local_kernel  # noqa: PLC0415
+
+    optimizer = get_local_kernel(BENCHMARKS.parent / "build")
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"# One optimizer step profiled: {name}, torch {torch.__version__}", ""]
+    for label, step in _steps(optimizer, device).items():
+        lines += [f"## {label}", "", *profile_step(step, device), ""]
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(BENCHMARKS))
+    main()
