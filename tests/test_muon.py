@@ -129,6 +129,16 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
     assert ((ours[2].float() - theirs[2].float()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize(("triton", "capturing", "expected"), [(True, False, True), (True, True, False),
+                                                               (False, False, False)])
+def test_one_launch_path_serves_cuda_with_triton_and_never_a_graph_capture(
+        monkeypatch: pytest.MonkeyPatch, triton: bool, capturing: bool, expected: bool) -> None:
+    monkeypatch.setattr(functional, "TRITON_AVAILABLE", triton)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    assert functional.one_launch_serves("cuda") is expected
+    assert functional.one_launch_serves("cpu") is False
+
+
 @pytest.mark.parametrize("move_lr", ["hand-set", "ReduceLROnPlateau", "OneCycleLR"])
 def test_adamw_lr_moves_with_lr_by_the_same_factor(move_lr: str) -> None:
     # adamw_lr=1e-3 at lr=0.02: AdamW runs at lr / 20 whatever moves lr.

@@ -241,7 +241,7 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: Learni
     step_lr = lr.to(found_inf.device) if isinstance(lr, Tensor) else lr
     settings = dict(lr=step_lr, betas=betas, eps=eps, weight_decay=weight_decay)
     device_type = found_inf.device.type
-    if TRITON_AVAILABLE and device_type in ONE_LAUNCH_DEVICE_TYPES:
+    if one_launch_serves(device_type):
         left = _adamw_one_launch_(items, found_inf, **settings)
     elif device_type == "cpu":
         _fused_adamw_taken_(items, found_inf.tolist(), **settings)
@@ -251,6 +251,15 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: Learni
     flags = found_inf.unbind()
     for index in left:
         _fused_adamw_one_(items[index], flags[index], **settings)
+
+
+def one_launch_serves(device_type: str) -> bool:
+    """Whether the AdamW part goes through the one-launch Triton kernel on this device type now: not while a CUDA
+    graph is being captured, whose replays would copy the kernel's tables again from a host buffer freed long before
+    (torch's fused kernel, one call per parameter, captures cleanly)."""
+    if not TRITON_AVAILABLE or device_type not in ONE_LAUNCH_DEVICE_TYPES:
+        return False
+    return device_type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
 def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: LearningRate,
