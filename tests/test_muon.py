@@ -129,6 +129,37 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
     assert ((ours[2].float() - theirs[2].float()).abs() <= bound).all()
 
 
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
+def test_a_one_launch_kernel_that_fails_to_build_hands_adamw_to_torch_once_and_for_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(functional, "_one_launch_failed", set())
+    attempts = []
+
+    def failing_build(*args, **kwargs) -> None:
+        attempts.append(1)
+        raise RuntimeError("PTX assembly failed")  # as a Triton that cannot compile the kernel for this GPU raises
+
+    monkeypatch.setattr(functional, "adamw_flagged_", failing_build)
+    torch.manual_seed(0)
+    ours = [torch.randn(37), torch.randn(16).bfloat16(), torch.randn(5, 3)]
+    theirs = [p.clone() for p in ours]
+    opt = Muon([dict(params=ours, use_muon=False)], lr=0.01, adamw_lr=3e-3, adamw_betas=(0.8, 0.99),
+               adamw_eps=1e-6, adamw_weight_decay=0.05)
+    references = [torch.optim.AdamW(group, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, fused=True)
+                  for group in ([theirs[0], theirs[2]], [theirs[1]])]
+    with pytest.warns(RuntimeWarning, match="one-launch AdamW kernel failed on cpu.*PTX assembly failed"):
+        for step in range(2):
+            seeded_grads(ours, step)
+            seeded_grads(theirs, step)
+            opt.step()
+            for reference in references:
+                reference.step()
+    assert attempts == [1]  # tried once; the failure is remembered
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(("triton", "capturing", "expected"), [(True, False, True), (True, True, False),
                                                                (False, False, False)])
 def test_one_launch_path_serves_cuda_with_triton_and_never_a_graph_capture(

@@ -9,6 +9,7 @@ is incremented. Nothing here imports the distributed layer.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,9 @@ LearningRate = float | Tensor
 # Devices whose AdamW parameters go through the Triton kernel that takes a skip flag per tensor in one launch (on
 # others, torch's fused kernel per parameter, or on the CPU once per dtype after reading the flags).
 ONE_LAUNCH_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+# Device types where that kernel failed to build or launch (a Triton that cannot compile it for this GPU): their AdamW
+# goes through torch's fused kernel for the rest of the process.
+_one_launch_failed: set[str] = set()
 
 
 def adjusted_lr(lr: LearningRate, adjust_lr_fn: str | None, view: MatrixView,
@@ -257,7 +261,7 @@ def one_launch_serves(device_type: str) -> bool:
     """Whether the AdamW part goes through the one-launch Triton kernel on this device type now: not while a CUDA
     graph is being captured, whose replays would copy the kernel's tables again from a host buffer freed long before
     (torch's fused kernel, one call per parameter, captures cleanly)."""
-    if not TRITON_AVAILABLE or device_type not in ONE_LAUNCH_DEVICE_TYPES:
+    if not TRITON_AVAILABLE or device_type not in ONE_LAUNCH_DEVICE_TYPES or device_type in _one_launch_failed:
         return False
     return device_type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
@@ -265,7 +269,8 @@ def one_launch_serves(device_type: str) -> bool:
 def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: LearningRate,
                        betas: tuple[float, float], eps: float, weight_decay: float) -> list[int]:
     """The parameters `_fits_one_launch` takes, through the Triton kernel in one launch per dtype, each with its skip
-    flag; returns the indices of the others."""
+    flag; returns the indices of the others. Where the kernel fails to build or launch (nothing written then), says
+    so once and returns the indices it had not done, for torch's fused kernel, now and at every later step."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     left = []
     for index, item in enumerate(items):
@@ -273,12 +278,24 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: 
             by_dtype.setdefault(item.param.dtype, []).append(index)
         else:
             left.append(index)
-    for indices in by_dtype.values():
+    groups = list(by_dtype.values())
+    for done, indices in enumerate(groups):
         group = [items[i] for i in indices]
         skipped = found_inf if len(indices) == len(items) else found_inf[indices]
-        adamw_flagged_([item.param for item in group], [item.grad for item in group],
-                       [item.exp_avg for item in group], [item.exp_avg_sq for item in group],
-                       [item.step for item in group], skipped, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        try:
+            adamw_flagged_([item.param for item in group], [item.grad for item in group],
+                           [item.exp_avg for item in group], [item.exp_avg_sq for item in group],
+                           [item.step for item in group], skipped, lr=lr, betas=betas, eps=eps,
+                           weight_decay=weight_decay)
+        except ValueError:
+            raise
+        except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
+            device = found_inf.device
+            _one_launch_failed.add(device.type)
+            warnings.warn(f"the one-launch AdamW kernel failed on {device} ({error!r}); AdamW-routed parameters go "
+                          "through torch's fused AdamW kernel, one call per parameter, from now on", RuntimeWarning,
+                          stacklevel=2)
+            return left + [index for indices in groups[done:] for index in indices]
     return left
 
 
