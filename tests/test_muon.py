@@ -95,6 +95,29 @@ def test_matches_torch_adamw_for_non_matrices(adamw_path: str) -> None:
         assert float(opt.state[p]["step"]) == 5
 
 
+ADAMW_SETTINGS = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+
+
+def stepped_beside_fused_adamw(ours: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+    """Steps `ours` as a Muon's AdamW-routed group (ADAMW_SETTINGS) and contiguous clones of them by fused
+    torch.optim.AdamW, one optimizer per dtype (its kernel takes one); returns the clones."""
+    theirs = [p.clone(memory_format=torch.contiguous_format) for p in ours]  # torch's CPU fused misreads views
+    opt = Muon([dict(params=ours, use_muon=False)], lr=0.01, adamw_lr=ADAMW_SETTINGS["lr"],
+               adamw_betas=ADAMW_SETTINGS["betas"], adamw_eps=ADAMW_SETTINGS["eps"],
+               adamw_weight_decay=ADAMW_SETTINGS["weight_decay"])
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in theirs:
+        by_dtype.setdefault(param.dtype, []).append(param)
+    references = [torch.optim.AdamW(group, fused=True, **ADAMW_SETTINGS) for group in by_dtype.values()]
+    for step in range(steps):
+        seeded_grads(ours, step)
+        seeded_grads(theirs, step)
+        opt.step()
+        for reference in references:
+            reference.step()
+    return theirs
+
+
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
 def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_rest(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,18 +130,7 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
     torch.manual_seed(0)
     wide = torch.randn(9, 7)
     ours = [torch.randn(37), torch.randn(5, 1), torch.randn(16).bfloat16(), wide.T]  # the last a transposed view
-    theirs = [p.clone(memory_format=torch.contiguous_format) for p in ours]  # torch's CPU fused misreads views
-    opt = Muon([dict(params=ours, use_muon=False)], lr=0.01, adamw_lr=3e-3, adamw_betas=(0.8, 0.99),
-               adamw_eps=1e-6, adamw_weight_decay=0.05)
-    settings = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
-    references = [torch.optim.AdamW(group, fused=True, **settings) for group in ([theirs[i] for i in (0, 1, 3)],
-                                                                                 [theirs[2]])]
-    for step in range(3):
-        seeded_grads(ours, step)
-        seeded_grads(theirs, step)
-        opt.step()
-        for reference in references:
-            reference.step()
+    theirs = stepped_beside_fused_adamw(ours, steps=3)
     # One launch per dtype for the contiguous ones; the transposed view went through torch's fused kernel.
     assert launches == [[torch.float32, torch.float32], [torch.bfloat16]] * 3
     for i in (0, 1, 3):
@@ -143,18 +155,8 @@ def test_a_one_launch_kernel_that_fails_to_build_hands_adamw_to_torch_once_and_f
     monkeypatch.setattr(functional, "adamw_flagged_", failing_build)
     torch.manual_seed(0)
     ours = [torch.randn(37), torch.randn(16).bfloat16(), torch.randn(5, 3)]
-    theirs = [p.clone() for p in ours]
-    opt = Muon([dict(params=ours, use_muon=False)], lr=0.01, adamw_lr=3e-3, adamw_betas=(0.8, 0.99),
-               adamw_eps=1e-6, adamw_weight_decay=0.05)
-    references = [torch.optim.AdamW(group, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, fused=True)
-                  for group in ([theirs[0], theirs[2]], [theirs[1]])]
     with pytest.warns(RuntimeWarning, match="one-launch AdamW kernel failed on cpu.*PTX assembly failed"):
-        for step in range(2):
-            seeded_grads(ours, step)
-            seeded_grads(theirs, step)
-            opt.step()
-            for reference in references:
-                reference.step()
+        theirs = stepped_beside_fused_adamw(ours, steps=2)
     assert attempts == [1]  # tried once; the failure is remembered
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
