@@ -23,9 +23,10 @@ from ._launch import INTERPRETER, SUPPORTED_DTYPES
 # the 16-24 bytes per element it streams, few enough that a bias vector does not leave most of a program idle.
 BLOCK = 2048
 
-# Columns of the address table: what each tensor's programs read before their block.
-_PARAM, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _STEP, _NUMEL = range(6)
+# A row of the address table per tensor: the addresses of its parameter, gradient, first and second moment and step
+# count, then its size; what each of its programs reads before its block.
 _COLUMNS = 6
+_NUMEL = 5
 
 
 @triton.jit
@@ -44,11 +45,12 @@ def _adamw_blocks_kernel(
     eps,
     weight_decay,
     LR_ON_DEVICE: tl.constexpr,
+    COLUMNS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     block = tl.program_id(0)
     tensor = tl.load(block_tensor + block)
-    row = table + tensor * 6
+    row = table + tensor * COLUMNS
     value_type = tl.pointer_type(like.dtype.element_ty)
     param = tl.load(row + 0).to(value_type)
     grad = tl.load(row + 1).to(value_type)
@@ -103,7 +105,7 @@ def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: 
     _adamw_blocks_kernel[(block_tensor.numel(),)](
         table, block_tensor, block_start, skipped, params[0], lr if lr_on_device else table,
         0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-        LR_ON_DEVICE=lr_on_device, BLOCK=BLOCK,
+        LR_ON_DEVICE=lr_on_device, COLUMNS=_COLUMNS, BLOCK=BLOCK,
     )
 
 
