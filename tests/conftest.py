@@ -30,3 +30,15 @@ def load_build_tool() -> ModuleType:
 @pytest.fixture(scope="session")
 def build_tool() -> ModuleType:
     return load_build_tool()
+
+
+@pytest.fixture(autouse=True)
+def seeded_global_generators() -> None:
+    """Every test draws from torch's and numpy's global generators as if it ran alone: a result then no longer hangs
+    on which tests ran before it (a tolerance met by one draw and missed by another showed up only in a reordered
+    run)."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    np.random.seed(0)

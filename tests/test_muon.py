@@ -293,11 +293,15 @@ def test_gram_newton_schulz_updates_are_polar_factors_too(ns_algorithm: str, sha
 
 @pytest.mark.parametrize("ns_algorithm", ["standard", "gram"])
 def test_aol_preconditioned_updates_are_the_functions_result(ns_algorithm: str) -> None:
-    grad = torch.randn(3, 16, 40, dtype=torch.float64)
+    grad = torch.randn(3, 16, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     update = one_step_update(torch.zeros_like(grad), grad, preconditioner="aol", ns_algorithm=ns_algorithm)
     expected = optimizer.zeropower(0.5 * grad, 10, dtype=torch.float64, algorithm=ns_algorithm, preconditioner="aol")
     torch.testing.assert_close(update, expected, rtol=0, atol=1e-12)
-    torch.testing.assert_close(update, torch.stack([polar_factor(g) for g in grad]), **POLAR_TOL)
+    # AOL's result is the polar factor of the matrix with each row scaled by (|X X^T| 1)^(-1/2) (Turbo-Muon's
+    # definition), which differs from X's own by up to ~0.03 per entry on such Gaussian matrices; ten float64 steps
+    # reach it to rounding.
+    row_scales = (grad @ grad.mT).abs().sum(-1, keepdim=True).rsqrt()
+    torch.testing.assert_close(update, torch.stack([polar_factor(g) for g in row_scales * grad]), rtol=0, atol=1e-10)
     assert not torch.equal(update, one_step_update(torch.zeros_like(grad), grad, ns_algorithm=ns_algorithm))
     with pytest.raises(ValueError, match=r"Invalid preconditioner: 'jacobi'"):
         Muon([torch.randn(4, 8)], preconditioner="jacobi")
