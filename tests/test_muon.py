@@ -128,12 +128,13 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
                         lambda params, *args, **kwargs: launches.append([p.dtype for p in params])
                         or launch(params, *args, **kwargs))
     torch.manual_seed(0)
-    wide = torch.randn(9, 7)
-    ours = [torch.randn(37), torch.randn(5, 1), torch.randn(16).bfloat16(), wide.T]  # the last a transposed view
+    wide, longer = torch.randn(9, 7), torch.randn(17)
+    # The last two: a transposed view, and a contiguous view starting 4 bytes into its storage.
+    ours = [torch.randn(37), torch.randn(5, 1), torch.randn(16).bfloat16(), wide.T, longer[1:]]
     theirs = stepped_beside_fused_adamw(ours, steps=3)
-    # One launch per dtype for the contiguous ones; the transposed view went through torch's fused kernel.
+    # One launch per dtype for the contiguous, aligned ones; the two views went through torch's fused kernel.
     assert launches == [[torch.float32, torch.float32], [torch.bfloat16]] * 3
-    for i in (0, 1, 3):
+    for i in (0, 1, 3, 4):
         torch.testing.assert_close(ours[i], theirs[i], rtol=1e-6, atol=1e-6)
     # bf16: the same fp32 arithmetic, rounded once per stored value, an ulp apart at most per step (the interpreter
     # truncates its stores); an ulp is at most eps * |value|.

@@ -21,7 +21,7 @@ from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
-from .triton_kernels import TRITON_AVAILABLE, adamw_flagged_
+from .triton_kernels import TRITON_AVAILABLE, adamw_flagged_, adamw_takes
 from .workspace import Workspace
 
 ADJUST_LR_FNS: tuple[str, ...] = ("original", "match_rms_adamw", "spectral", "rsqrt_in")
@@ -301,11 +301,11 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: 
 
 def _fits_one_launch(item: AdamWTensors) -> bool:
     """Whether the one-launch kernel takes this parameter: moments stored as they are, and parameter, gradient and
-    moments contiguous, of one shape and of one dtype it supports."""
+    moments contiguous, 16-byte aligned, of one shape and of one dtype it supports."""
     param = item.param
     tensors = (param, item.grad, item.exp_avg, item.exp_avg_sq)
     return (item.rounding_count is None and param.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(tensor.dtype == param.dtype and tensor.shape == param.shape and tensor.is_contiguous()
+            and all(tensor.dtype == param.dtype and tensor.shape == param.shape and adamw_takes(tensor)
                     for tensor in tensors)
             and item.step.dtype == torch.float32)
 

@@ -21,3 +21,7 @@ def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: 
                    exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], skipped: Tensor, *, lr: float | Tensor,
                    betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     raise RuntimeError(_MISSING.format(name="adamw_flagged_"))
+
+
+def adamw_takes(tensor: Tensor) -> bool:
+    raise RuntimeError(_MISSING.format(name="adamw_takes"))

@@ -23,10 +23,14 @@ from ._launch import INTERPRETER, SUPPORTED_DTYPES
 # the 16-24 bytes per element it streams, few enough that a bias vector does not leave most of a program idle.
 BLOCK = 2048
 
-# A row of the address table per tensor: the addresses of its parameter, gradient, first and second moment and step
-# count, then its size; what each of its programs reads before its block.
+# A row of the address table per tensor, what each of its programs reads before its block: where its parameter,
+# gradient, first and second moment start, in 16-byte units from where the first parameter starts, then its step
+# count's address and its size. As multiples of 16 bytes from a pointer argument (which Triton knows to be 16-byte
+# aligned), the four tensors' addresses are known to the compiler to be aligned, so it can load and store them 16 bytes
+# at a time; raw addresses loaded from memory would tell it nothing and leave it to move one element per instruction.
 _COLUMNS = 6
 _NUMEL = 5
+ALIGNMENT = 16
 
 
 @triton.jit
@@ -46,16 +50,16 @@ def _adamw_blocks_kernel(
     weight_decay,
     LR_ON_DEVICE: tl.constexpr,
     COLUMNS: tl.constexpr,
+    ELEMENTS_PER_UNIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     block = tl.program_id(0)
     tensor = tl.load(block_tensor + block)
     row = table + tensor * COLUMNS
-    value_type = tl.pointer_type(like.dtype.element_ty)
-    param = tl.load(row + 0).to(value_type)
-    grad = tl.load(row + 1).to(value_type)
-    exp_avg = tl.load(row + 2).to(value_type)
-    exp_avg_sq = tl.load(row + 3).to(value_type)
+    param = like + tl.load(row + 0) * ELEMENTS_PER_UNIT
+    grad = like + tl.load(row + 1) * ELEMENTS_PER_UNIT
+    exp_avg = like + tl.load(row + 2) * ELEMENTS_PER_UNIT
+    exp_avg_sq = like + tl.load(row + 3) * ELEMENTS_PER_UNIT
     step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64)
     numel = tl.load(row + 5)
     if LR_ON_DEVICE:
@@ -70,7 +74,7 @@ def _adamw_blocks_kernel(
 
     # A skipped tensor's programs touch nothing: as if it had no elements.
     end = tl.where(tl.load(skipped + tensor) == 0.0, numel, 0)
-    offsets = tl.load(block_start + block) + tl.arange(0, BLOCK)
+    offsets = tl.multiple_of(tl.load(block_start + block), BLOCK) + tl.arange(0, BLOCK)
     mask = offsets < end
     p = tl.load(param + offsets, mask=mask).to(tl.float32)
     g = tl.load(grad + offsets, mask=mask).to(tl.float32)
@@ -92,7 +96,8 @@ def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: 
     """One AdamW step (decoupled weight decay, torch.optim.AdamW's arithmetic) on every tensor whose flag in
     `skipped` ((N,) float32) is 0.0; the others, their moments included, are left as they are. `steps` (float32
     scalars) are read as already advanced for this step. Parameters, gradients and moments: contiguous, of one
-    dtype (float32, bfloat16 or float16), on one device; `lr` a number or a one-element tensor there."""
+    dtype (float32, bfloat16 or float16), on one device, starting on 16-byte boundaries; `lr` a number or a
+    one-element tensor there."""
     tensors = _checked(params, grads, exp_avgs, exp_avg_sqs, steps, skipped)
     if not tensors:
         return
@@ -105,8 +110,15 @@ def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: 
     _adamw_blocks_kernel[(block_tensor.numel(),)](
         table, block_tensor, block_start, skipped, params[0], lr if lr_on_device else table,
         0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-        LR_ON_DEVICE=lr_on_device, COLUMNS=_COLUMNS, BLOCK=BLOCK,
+        LR_ON_DEVICE=lr_on_device, COLUMNS=_COLUMNS, ELEMENTS_PER_UNIT=ALIGNMENT // params[0].element_size(),
+        BLOCK=BLOCK,
     )
+
+
+def adamw_takes(tensor: Tensor) -> bool:
+    """Whether the kernel reads and writes this tensor where it lies: contiguous, from a 16-byte boundary (an empty
+    one from anywhere)."""
+    return tensor.is_contiguous() and (tensor.numel() == 0 or tensor.data_ptr() % ALIGNMENT == 0)
 
 
 def _log2(beta: float) -> float:
@@ -136,8 +148,9 @@ def _checked(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequen
             if tensor.dtype != dtype or tensor.device != device or tensor.shape != param.shape:
                 raise ValueError(f"{name}[{index}] is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}; "
                                  f"expected params[{index}]'s {tuple(param.shape)}, {dtype} on {device}")
-            if not tensor.is_contiguous():
-                raise ValueError(f"{name}[{index}] is not contiguous (strides {tensor.stride()})")
+            if not adamw_takes(tensor):
+                raise ValueError(f"{name}[{index}] is not contiguous from a {ALIGNMENT}-byte boundary (strides "
+                                 f"{tensor.stride()}, starting at {tensor.data_ptr():#x})")
         if step.dtype != torch.float32 or step.numel() != 1 or step.device != device:
             raise ValueError(f"steps[{index}] is {tuple(step.shape)} {step.dtype} on {step.device}; expected one "
                              f"float32 on {device}")
@@ -147,7 +160,9 @@ def _checked(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequen
 def _launch_tables(tensors: list[tuple[Tensor, ...]], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """The address table (a row per tensor), then each program's tensor and first element, built on the host and
     sent in one copy (from pinned memory, so without waiting for the device)."""
-    rows = [[*(tensor.data_ptr() for tensor in group), group[0].numel()] for group in tensors]
+    base = tensors[0][0].data_ptr()
+    rows = [[*((tensor.data_ptr() - base) // ALIGNMENT for tensor in group[:4]), group[4].data_ptr(), group[0].numel()]
+            for group in tensors]
     table = torch.tensor(rows, dtype=torch.int64).view(-1)
     numels = table.view(-1, _COLUMNS)[:, _NUMEL]
     blocks = (numels + BLOCK - 1) // BLOCK
