@@ -24,18 +24,19 @@ TOP = 25
 
 def _steps(optimizer, device: torch.device) -> dict[str, Callable[[], None]]:
     import bench  # noqa: PLC0415 (the shapes and parameters the step benchmark uses)
+    import step_memory  # noqa: PLC0415 (the optimizers, configured as the memory benchmark configures them)
 
     matrices, vectors = bench._step_params(device, bench.GPT2_SMALL_BLOCK, bench.GPT2_SMALL_VECTORS,
                                            bench.GPT2_BLOCKS, [bench.GPT2_EMBEDDING])
-    theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
-              torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
-    ours = optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02)
 
-    def torch_step() -> None:
-        for opt in theirs:
-            opt.step()
+    def stepping(optimizers: list[torch.optim.Optimizer]) -> Callable[[], None]:
+        def step() -> None:
+            for opt in optimizers:
+                opt.step()
+        return step
 
-    return {"torch.optim.Muon + fused AdamW": torch_step, "optimizer.Muon (defaults)": ours.step}
+    return {label: stepping(step_memory._optimizers(optimizer, label, matrices, vectors))
+            for label in ("torch.optim.Muon + AdamW", "optimizer.Muon (defaults)")}
 
 
 def _synchronize(device: torch.device) -> None:
