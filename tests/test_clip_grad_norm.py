@@ -1,6 +1,8 @@
 """`Muon.clip_grad_norm_` against `torch.nn.utils.clip_grad_norm_`, the `squared_norms_` op against float64 sums,
 and the step that takes the clip's finite flags instead of reading the gradients again: the same parameters as after
-torch's clip and our own guard, in every case where a gradient is not finite or changed after the clip."""
+torch's clip and our own guard, in every case where a gradient is not finite or changed after the clip. Both ways of
+reading the gradients once are covered: the compiled CPU op, and torch's per-tensor norms (GPUs, other norms, builds
+without the op; here through the build without compiled ops)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
 
 native = submodule(load_cpu_variant(), "native")
+HAS_CUDA = torch.cuda.is_available()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -30,11 +33,18 @@ def _backward(model: torch.nn.Module, seed: int, *more: torch.nn.Module) -> None
         each(tokens).float().square().mean().backward()
 
 
-def _twins() -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+@pytest.fixture(params=["squared_norms_ op", "tensor norms"])
+def package(request: pytest.FixtureRequest):
+    """The package whose clip reads the gradients the named way: the CPU build's compiled op (L2), or torch's
+    per-tensor norms (the build without compiled ops)."""
+    return optimizer if request.param == "squared_norms_ op" else load_fallback_variant()
+
+
+def _twins(package=optimizer) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
     """A model and its copy, each with its own Muon."""
     model = _model()
     reference = copy.deepcopy(model)
-    ours, theirs = optimizer.Muon(model.parameters(), lr=0.02), optimizer.Muon(reference.parameters(), lr=0.02)
+    ours, theirs = package.Muon(model.parameters(), lr=0.02), package.Muon(reference.parameters(), lr=0.02)
     return model, reference, ours, theirs
 
 
@@ -98,10 +108,10 @@ def _adamw_routed(opt: torch.optim.Optimizer) -> int:
 
 
 @pytest.mark.parametrize("bad", [None, math.nan, math.inf])
-def test_the_step_with_the_clip_s_flags_equals_the_step_with_the_guard(bad: float | None) -> None:
+def test_the_step_with_the_clip_s_flags_equals_the_step_with_the_guard(package, bad: float | None) -> None:
     """Both models clipped alike; one's gradients are then touched (`add_(0)` bumps their version, not their
     values), so its step reads them itself: every parameter must come out bit for bit the same."""
-    model, reference, ours, theirs = _twins()
+    model, reference, ours, theirs = _twins(package)
     for seed in range(2):
         _backward(model, seed, reference)
         if bad is not None and seed == 1:
@@ -120,10 +130,10 @@ def test_the_step_with_the_clip_s_flags_equals_the_step_with_the_guard(bad: floa
     assert ours.nonfinite_skips() == theirs.nonfinite_skips() == skipped
 
 
-def test_the_step_after_a_clip_does_not_read_the_gradients_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_step_after_a_clip_does_not_read_the_gradients_again(package, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model()
-    opt = optimizer.Muon(model.parameters(), lr=0.02)
-    muon_module = submodule(optimizer, "muon")
+    opt = package.Muon(model.parameters(), lr=0.02)
+    muon_module = submodule(package, "muon")
     checked = []
     real = muon_module.found_inf_flags
     monkeypatch.setattr(muon_module, "found_inf_flags", lambda grads: checked.append(len(grads)) or real(grads))
@@ -144,10 +154,10 @@ def _poison(model: torch.nn.Module, value: float) -> None:
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("max_norm", [1.0, math.inf])
 @pytest.mark.parametrize("when", ["before the clip", "after the clip"])
-def test_non_finite_gradients_are_skipped_as_after_torch_s_clip(bad: float, max_norm: float, when: str) -> None:
+def test_non_finite_gradients_are_skipped_as_after_torch_s_clip(package, bad: float, max_norm: float, when: str) -> None:
     """A total norm of NaN scales every gradient to NaN and one of Inf zeroes the finite ones, as torch's clip
     does; a gradient made non-finite after the clip is caught by the step all the same."""
-    model, reference, ours, theirs = _twins()
+    model, reference, ours, theirs = _twins(package)
     _backward(model, 0, reference)
     if when == "before the clip":
         _poison(model, bad)
@@ -166,9 +176,9 @@ def test_non_finite_gradients_are_skipped_as_after_torch_s_clip(bad: float, max_
     assert ours.nonfinite_skips() == theirs.nonfinite_skips() > 0
 
 
-def test_a_gradient_replaced_after_the_clip_is_read_again() -> None:
+def test_a_gradient_replaced_after_the_clip_is_read_again(package) -> None:
     model = _model()
-    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    opt = package.Muon(model.parameters(), lr=0.02)
     _backward(model, 0)
     opt.clip_grad_norm_(1.0)
     weight = model[2].weight
@@ -179,9 +189,9 @@ def test_a_gradient_replaced_after_the_clip_is_read_again() -> None:
     assert opt.nonfinite_skips() == 1
 
 
-def test_error_if_nonfinite_raises_before_anything_is_scaled() -> None:
+def test_error_if_nonfinite_raises_before_anything_is_scaled(package) -> None:
     model = _model()
-    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    opt = package.Muon(model.parameters(), lr=0.02)
     _backward(model, 0)
     _poison(model, math.nan)
     grads = [param.grad.clone() for param in model.parameters()]
@@ -226,15 +236,23 @@ def test_float64_gradients_too_large_to_square_are_finite() -> None:
     assert opt.nonfinite_skips() == 0
 
 
-def test_without_the_compiled_op_the_clip_is_torch_s() -> None:
-    """A build with no compiled ops (the noarch variant) clips with torch's function, bit for bit, and its step
-    reads the gradients itself."""
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one dtype", "float32 and bfloat16"])
+def test_tensor_norms_clip_as_torch_s_bit_for_bit(norm_type: float, mixed: bool) -> None:
+    """Torch's per-tensor norms, total and scaling, in one call per dtype (torch groups its own calls by dtype too),
+    then a step that takes the clip's flags: a NaN made after the clip is still caught by the step's own guard."""
     fallback = load_fallback_variant()
     model = _model()
+    if mixed:
+        model[1].to(torch.bfloat16)
+        model[3].bias.data = model[3].bias.data.bfloat16()
     reference = copy.deepcopy(model)
     opt = fallback.Muon(model.parameters(), lr=0.02)
-    _backward(model, 0, reference)
-    torch.testing.assert_close(opt.clip_grad_norm_(0.05), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05),
+    for each in (model, reference):  # the same gradients for both, drawn per parameter size
+        for param in each.parameters():
+            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())).to(param.dtype)
+    torch.testing.assert_close(opt.clip_grad_norm_(0.05, norm_type),
+                               torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type),
                                rtol=0, atol=0)
     for param, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=0)
@@ -242,3 +260,37 @@ def test_without_the_compiled_op_the_clip_is_torch_s() -> None:
     poisoned = model[2].weight.detach().clone()
     opt.step()
     torch.testing.assert_close(model[2].weight, poisoned, rtol=0, atol=0)
+    assert opt.nonfinite_skips() == 1
+
+
+def test_tensor_norms_count_a_gradient_whose_norm_overflows_as_not_finite() -> None:
+    """Its norm is all the clip reads, so a float64 gradient of 1e300 (whose square overflows) is skipped, where the
+    CPU op's exact check lets it through (above); the Inf total zeroes the other gradients, as torch's clip does."""
+    param, other = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)), torch.nn.Parameter(torch.ones(3))
+    opt = load_fallback_variant().Muon([dict(params=[param, other], use_muon=False)], lr=0.02)
+    param.grad, other.grad = torch.full((4,), 1e300, dtype=torch.float64), torch.ones(3)
+    assert opt.clip_grad_norm_(1.0) == math.inf
+    opt.step()
+    assert opt.nonfinite_skips() == 1
+    assert torch.equal(param.detach(), torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(other.grad, torch.zeros(3))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_clip_and_step_on_a_gpu_do_not_sync_with_the_host() -> None:
+    model = _model().cuda()
+    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    tokens = torch.randint(0, 50, (4, 6), device="cuda")
+    for _ in range(2):  # the first step creates state and picks paths
+        model(tokens).square().mean().backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    model(tokens).square().mean().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

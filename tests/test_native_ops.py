@@ -287,10 +287,10 @@ def test_finite_flags_of_strided_empty_and_no_tensors(path) -> None:
 
 
 @pytest.mark.parametrize("dtype", BUFFER_DTYPES, ids=str)
-def test_compiled_finite_flags_flag_only_nan_and_inf(dtype: torch.dtype) -> None:
-    # The fallback's sum also flags finite tensors whose sum overflows; the compiled op reads each element. 1000
-    # elements: full blocks of the op's unrolled loop and a tail after them, for every element size.
-    native = submodule(load_cpu_variant(), "native")
+def test_finite_flags_flag_only_nan_and_inf(path, dtype: torch.dtype) -> None:
+    # Extremes whose sum or squares overflow stay finite. 1000 elements: full blocks of the CPU op's unrolled loop and
+    # a tail after them, for every element size.
+    native, device = path
     info = torch.finfo(dtype)
     extremes = torch.tensor([info.max, info.min, info.smallest_normal, -0.0], dtype=dtype)
     finite = extremes.repeat(250)
@@ -302,7 +302,23 @@ def test_compiled_finite_flags_flag_only_nan_and_inf(dtype: torch.dtype) -> None
         tensors.append(flagged)
         expected.append(0.0)
     assert [float(torch.isfinite(tensor).all()) for tensor in tensors] == expected
-    assert native.finite_flags(tensors).tolist() == expected
+    assert native.finite_flags([tensor.to(device) for tensor in tensors]).tolist() == expected
+
+
+def test_finite_flags_of_mixed_dtypes_take_one_multi_tensor_norm_per_dtype(path) -> None:
+    """Where the CPU op does not serve (GPUs, builds without it), the flags come from torch's multi-tensor norm, one
+    call per dtype whatever the number of tensors, and land in the order the tensors were given."""
+    native, device = path
+    values = (None, float("nan"), float("inf"), float("-inf"))
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    tensors = [_with_nonfinite((17 + seed,), dtypes[seed % 3], device, values[seed % 4], seed) for seed in range(12)]
+    tensors.insert(5, torch.zeros(0, dtype=torch.bfloat16, device=device))
+    expected = [float(torch.isfinite(tensor).all()) for tensor in tensors]
+    with torch.profiler.profile() as profile:
+        finite = native.finite_flags(tensors)
+    assert finite.tolist() == expected
+    norms = sum(event.name == "aten::_foreach_norm" for event in profile.events())
+    assert norms == (0 if _runs_compiled_finite_flags(native, device) else len(dtypes))
 
 
 def test_finite_flags_device_mismatch_raises_value_error(path) -> None:
@@ -323,12 +339,17 @@ def test_compiled_finite_flags_op_checks_its_arguments() -> None:
         ops.finite_flags_([torch.zeros(3, 4).t()], torch.zeros(1))
 
 
+def _runs_compiled_finite_flags(native: ModuleType, device: str) -> bool:
+    """The compiled op checks CPU tensors; on GPUs torch's multi-tensor norm does (fewer launches)."""
+    return device == "cpu" and native.ops_summary().startswith("compiled ops")
+
+
 def test_compiled_finite_flags_op_really_runs(path) -> None:
     native, device = path
     with torch.profiler.profile() as profile:
         native.finite_flags([torch.zeros(4, device=device)])
     ran_compiled = any(event.name.endswith("::finite_flags_") for event in profile.events())
-    assert ran_compiled == native.ops_summary().startswith("compiled ops")
+    assert ran_compiled == _runs_compiled_finite_flags(native, device)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")

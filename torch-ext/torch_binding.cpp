@@ -510,7 +510,6 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("muon_momentum_rounded_", c10::DeviceType::CUDA,
            &checked_muon_momentum_rounded<&muon_momentum_rounded_cuda>);
   ops.impl("symmetric_gram_", c10::DeviceType::CUDA, &checked_symmetric_gram<&symmetric_gram_cuda>);
-  ops.impl("finite_flags_", c10::DeviceType::CUDA, &checked_finite_flags<&finite_flags_cuda>);
   ops.impl("load_moment_", c10::DeviceType::CUDA, &checked_load_moment<&load_moment_cuda>);
   ops.impl("store_moment_", c10::DeviceType::CUDA, &checked_store_moment<&store_moment_cuda>);
 #endif

@@ -80,6 +80,8 @@ using FiniteFlagsImpl = void (*)(at::TensorList tensors, const at::Tensor& finit
 
 void finite_flags_cpu(at::TensorList tensors, const at::Tensor& finite);
 
+// On the GPU, the first pass of `muon_momentum_rounded_` (a kernel per tensor); the `finite_flags_` op itself has
+// no CUDA kernel: there torch's multi-tensor norm checks many tensors in a few launches (native.finite_flags).
 void finite_flags_cuda(at::TensorList tensors, const at::Tensor& finite);
 
 // sums[i] = the sum of the squares of tensors[i]'s elements, accumulated in float64 (sums: float64, one per tensor,

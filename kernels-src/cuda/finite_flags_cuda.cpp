@@ -1,4 +1,5 @@
-// The `finite_flags_` op on the GPU: all flags set to 1, then one grid-stride check per tensor that clears its flag.
+// Finite flags on the GPU for `muon_momentum_rounded_`'s first pass: all flags set to 1, then one grid-stride check
+// per tensor that clears its flag.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

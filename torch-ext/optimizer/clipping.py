@@ -1,5 +1,5 @@
-"""Gradient clipping by the total L2 norm, in one read of each gradient that also tells the next step which gradients
-are finite, so that its non-finite guard need not read them again."""
+"""Gradient clipping by the total norm, in one read of each gradient that also tells the next step which gradients are
+finite, so that its non-finite guard need not read them again."""
 
 from __future__ import annotations
 
@@ -33,6 +33,44 @@ def reads_once(grads: Sequence[Tensor], norm_type: float) -> bool:
             and native.has_compiled_squared_norms("cpu"))
 
 
+def tensor_norms_serve(grads: Sequence[Tensor]) -> bool:
+    """Whether `clip_by_tensor_norms_` below serves these gradients: plain tensors on one device (where `reads_once`
+    does not hold: GPUs, other norms, builds without the compiled op)."""
+    return len(grads) > 0 and not any(is_dtensor(grad) for grad in grads) and len({g.device for g in grads}) == 1
+
+
+def clip_by_tensor_norms_(grads: Sequence[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+                          ) -> tuple[Tensor, Tensor]:
+    """torch.nn.utils.clip_grad_norm_'s arithmetic on one device, bit for bit where the gradients share a dtype:
+    each gradient's norm by `torch._foreach_norm` (one multi-tensor call per dtype), the total the norm of those,
+    every gradient multiplied by min(1, max_norm / (total + 1e-6)) without a host sync. Returns the total and (N,)
+    float32 flags, 1.0 where a gradient is finite after the scaling: its own norm tells, so the next step need not
+    read it. A finite gradient whose norm overflows its dtype's accumulation (an entry beyond ~1e19 in float32) counts
+    as not finite; its step is skipped, where torch's clip would have zeroed every gradient (the total is Inf too)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, grad in enumerate(grads):
+        by_dtype.setdefault(grad.dtype, []).append(i)
+    norms: list[Tensor] = [torch.empty(0)] * len(grads)
+    in_dtype_order: list[Tensor] = []
+    for indices in by_dtype.values():
+        for i, norm in zip(indices, torch._foreach_norm([grads[i] for i in indices], norm_type)):
+            norms[i] = norm
+            in_dtype_order.append(norm)
+    total = torch.linalg.vector_norm(torch.stack(in_dtype_order), norm_type)
+    if error_if_nonfinite and not bool(total.isfinite()):
+        _raise_nonfinite(total)
+    scale = (max_norm / (total + _NORM_EPS)).clamp(max=1.0)
+    for indices in by_dtype.values():
+        torch._foreach_mul_([grads[i] for i in indices], scale)
+    return total, torch.stack(norms).isfinite().to(torch.float32) * scale.isfinite().to(torch.float32)
+
+
+def _raise_nonfinite(total: Tensor) -> None:
+    raise RuntimeError(f"The total norm of the gradients is {float(total)}, so they cannot be clipped; "
+                       "error_if_nonfinite=False scales them by the non-finite factor instead (the step then "
+                       "skips every parameter whose gradient is not finite)")
+
+
 def clip_grad_norm_(grads: Sequence[Tensor], max_norm: float, error_if_nonfinite: bool = False
                     ) -> tuple[Tensor, Tensor]:
     """Scales `grads` in place by min(1, max_norm / (total + 1e-6)), `total` being the L2 norm of all of them, as
@@ -51,9 +89,7 @@ def clip_grad_norm_(grads: Sequence[Tensor], max_norm: float, error_if_nonfinite
         finite[wide] = native.finite_flags([grads[i] for i in wide]).bool()
     total = sums.sum().sqrt().to(torch.float64 if wide else torch.float32)
     if error_if_nonfinite and not bool(total.isfinite()):
-        raise RuntimeError(f"The total norm of the gradients is {float(total)}, so they cannot be clipped; "
-                           "error_if_nonfinite=False scales them by the non-finite factor instead (the step then "
-                           "skips every parameter whose gradient is not finite)")
+        _raise_nonfinite(total)
     scale = (max_norm / (total + _NORM_EPS)).clamp(max=1.0)
     if float(scale) != 1.0:
         torch._foreach_mul_(list(grads), scale)

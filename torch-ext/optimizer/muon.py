@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .clipping import CheckedGradients, check_max_norm, clip_grad_norm_, reads_once
+from .clipping import (CheckedGradients, check_max_norm, clip_by_tensor_norms_, clip_grad_norm_, reads_once,
+                       tensor_norms_serve)
 from .coefficients import Coefficients, resolve_coefficients
 from .distributed.dtensors import (is_dtensor, local_or_none, local_tensor, placed_like, splits_last_dim,
                                   zeros_like_resized)
@@ -703,18 +704,22 @@ class Muon(Optimizer):
         """`torch.nn.utils.clip_grad_norm_` over this optimizer's parameters: scales their gradients in place so
         that their total norm is at most `max_norm` (`math.inf`: only measure it), and returns the total norm.
 
-        For the L2 norm of plain CPU tensors (with the compiled ops) each gradient is read once, for its norm and for
-        whether it is finite, and the next `step()` takes those flags for its AdamW-routed parameters instead of
-        reading their gradients again; a gradient replaced or changed in place since is read again. That total is
-        accumulated in float64 (float32 result, float64 for float64 gradients). Other norms, DTensor and GPU
-        gradients go to torch's function, `foreach` with them."""
+        Plain tensors on one device are read once each, for their norm and for whether they are finite, and the
+        next `step()` takes those flags for its AdamW-routed parameters instead of reading their gradients again; a
+        gradient replaced or changed in place since is read again. For the L2 norm on the CPU (with the compiled
+        ops) the total is accumulated in float64 (float32 result, float64 for float64 gradients); elsewhere it is
+        torch's, from torch's per-gradient norms (`clipping.clip_by_tensor_norms_`). DTensor gradients, gradients on
+        several devices and `foreach=False` go to torch's function."""
         max_norm = check_max_norm(max_norm)
         params = [param for group in self.param_groups for param in group["params"] if param.grad is not None]
         grads = [param.grad for param in params]
         self._checked_gradients = None
-        if not reads_once(grads, norm_type):
+        if reads_once(grads, norm_type):
+            total, finite = clip_grad_norm_(grads, max_norm, error_if_nonfinite)
+        elif foreach is not False and tensor_norms_serve(grads):
+            total, finite = clip_by_tensor_norms_(grads, max_norm, float(norm_type), error_if_nonfinite)
+        else:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        total, finite = clip_grad_norm_(grads, max_norm, error_if_nonfinite)
         self._checked_gradients = CheckedGradients(params, finite)
         return total
 
