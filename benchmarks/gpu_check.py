@@ -96,7 +96,9 @@ def check_polynomial(optimizer, dispatch, dtype: torch.dtype, generator: torch.G
 
 
 def check_newton_schulz(optimizer, dispatch, dtype: torch.dtype, generator: torch.Generator) -> list[Check]:
-    """Five Polar Express steps in `dtype` on every backend against the same five steps in float64."""
+    """Five Polar Express steps in `dtype` on every backend against the same five steps in float64; and the Gram
+    iteration, which a 16-bit request runs in float16 on a GPU, held to the default (standard bf16) iteration's
+    error on cuBLAS."""
     checks = []
     for shape in NS_SHAPES:
         G = torch.randn(shape, generator=generator, device="cuda")
@@ -106,6 +108,11 @@ def check_newton_schulz(optimizer, dispatch, dtype: torch.dtype, generator: torc
             out = optimizer.zeropower(G, 5, dtype=dtype, backend=backend)
             checks.append(Check("zeropower 5 steps", f"{shape} {dtype}", backend, relative_error(out, ref),
                                 bar(cublas, dtype)))
+        if dtype.itemsize == 2:
+            default = relative_error(optimizer.zeropower(G, 5, dtype=torch.bfloat16, backend="torch"), ref)
+            out = optimizer.zeropower(G, 5, dtype=dtype, algorithm="gram")
+            checks.append(Check("zeropower 5 steps, algorithm=gram", f"{shape} {dtype}", "auto",
+                                relative_error(out, ref), bar(default, torch.bfloat16)))
     return checks
 
 

@@ -174,15 +174,15 @@ def aol_scaled(X: Tensor, gram: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int, dtype: torch.dtype) -> str:
     """"standard" or "gram" for a wide (m, n) matrix (or a batch of them) iterated in `dtype`. "auto" picks Gram
-    where it takes fewer FLOPs and runs in `dtype` itself: in a 16-bit dtype its m x m part runs in float32 (see
-    `_GRAM_DTYPE`), which GPUs and CPUs with bf16 matrix units multiply several times slower than the 16-bit
-    products it would replace, so there "auto" keeps the standard iteration until Gram is measured faster."""
+    where it takes fewer FLOPs and runs in `dtype` itself: a 16-bit Gram iteration restarts every three steps and runs
+    its m x m part in float32 on CPUs (see `gram_inner_dtype`), where that costs more than the 16-bit products it
+    replaces, and on GPUs in float16, not yet timed there; so in 16-bit "auto" keeps the standard iteration."""
     if algorithm != "auto":
         return algorithm
-    if dtype in _GRAM_DTYPE:
+    if dtype.itemsize <= 2:
         return "standard"
     m, n = shape[-2], shape[-1]
-    return "gram" if gram_flop(m, n, steps) < standard_flop(m, n, steps) else "standard"
+    return "gram" if gram_flop(m, n, steps, dtype) < standard_flop(m, n, steps) else "standard"
 
 
 def standard_flop(m: int, n: int, steps: int) -> float:
@@ -190,41 +190,55 @@ def standard_flop(m: int, n: int, steps: int) -> float:
     return steps * (4.0 * m * m * n + 2.0 * m ** 3)
 
 
-def gram_flop(m: int, n: int, steps: int) -> float:
-    """Full-product FLOPs of the Gram iteration: X Xᵀ and Q X once each, and 4 steps - 3 products of m x m (see
-    `_gram_iteration`; each restart adds a Q X and an X Xᵀ)."""
-    restarts = len(_restart_steps(steps))
-    return (1 + restarts) * 4.0 * m * m * n + (4 * steps - 3 + restarts) * 2.0 * m ** 3
+def gram_flop(m: int, n: int, steps: int, dtype: torch.dtype) -> float:
+    """Full-product FLOPs of the Gram iteration in `dtype`: X Xᵀ and Q X once each, and 4 steps - 3 products of
+    m x m (see `_gram_iteration`); each restart adds a Q X and an X Xᵀ, and saves the three m x m products that
+    would have joined its step to the one before."""
+    restarts = len(_restart_steps(steps, dtype))
+    return (1 + restarts) * 4.0 * m * m * n + (4 * steps - 3 - 3 * restarts) * 2.0 * m ** 3
 
 
-def _restart_steps(steps: int) -> tuple[int, ...]:
-    """Steps before which the Gram iteration rebuilds X and its Gram matrix from the accumulated Q: one restart
-    halfway once there are more than five steps, so that rounding accumulated in Q and R stays that of a few steps."""
+def _restart_steps(steps: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """Steps before which the Gram iteration rebuilds X and its Gram matrix from the accumulated Q, so that the
+    rounding Q and R gather stays that of a few steps. Every three steps in 16-bit iterations: in float16 (rounded as
+    tensor cores round, emulated) that kept the distance to the polar factor at the float32 standard iteration's for
+    3 to 10 steps on 512x1536 and 768x3072, where one restart after two of five steps drifted to 1.7x it; and it took
+    a bf16 iteration's float32 part on the CPU from 1.7x-1.8x to 0.86x-0.95x the standard bf16 iteration's distance
+    from the exact result at condition number 1e6. Once halfway beyond five steps in float32 and float64."""
+    if dtype.itemsize <= 2:
+        return tuple(range(3, steps, 3))
     return (steps // 2,) if steps > 5 else ()
 
 
-# For 16-bit dtypes the Gram matrix and everything done with it are float32, and only the final Q X is 16-bit. The
-# iteration maps an eigenvalue λ of R to P(λ)² λ, which for λ < 0 grows without bound: a bf16 R (or one rounded
-# to bf16 after a float32 product) has negative eigenvalues of ~4e-3 where X's singular values are small, and the
-# result blew up (polar error 1e2 to 1e11 at condition numbers 1e3 to 1e6, where the standard bf16 iteration stays
-# below 1.3). A float32 X Xᵀ of the bf16 X keeps them at ~1e-7, which five steps amplify to ~0.1 at most.
-_GRAM_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+def gram_inner_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a Gram iteration in `dtype` runs in on `device`. The iteration maps an eigenvalue λ of R to
+    P(λ)² λ, which for λ < 0 grows without bound, and bf16 rounding of R makes eigenvalues of ~4e-3 negative where X's
+    singular values are small (polar error 1e2 to 1e11 at condition numbers 1e3 to 1e6, where the standard bf16
+    iteration stays below 1.3). So a 16-bit iteration runs wholly in float16 on GPUs (tensor cores multiply it at
+    bf16's rate, with 8x finer rounding: Dao-AILab's gram-newton-schulz does the same), and on other devices keeps
+    its X Xᵀ and m x m part in float32 (CPUs run float16 products in a reference kernel, hundreds of times slower)."""
+    if dtype.itemsize > 2:
+        return dtype
+    return torch.float16 if device.type == "cuda" else torch.float32
 
 
 def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: str, preconditioner: str | None,
                     eps: float, buffers: _Buffers) -> Tensor:
     """Gram Newton-Schulz: the same polynomial iteration, carried out on the (m, m) Gram matrix of a wide X.
 
-    Every step multiplies X on the left by P = a I + b R + c R² with R = X Xᵀ, so X_k = Q_k X_0 with Q_k the product of
-    the P's, and R_{k+1} = P R_k P. Because P is a polynomial in R_k the two commute, so R_{k+1} = P (P R_k): three
-    m x m products per step besides R² (in float32 or float64, so P's diagonal keeps `a` to full precision) instead
-    of two (m, n) ones, and one Q X_0 at the end. Nothing is inverted, so rank-deficient input stays finite.
+    Every step multiplies X on the left by P = a I + Z, Z = b R + c R², with R = X Xᵀ, so X_k = Q_k X_0 with Q_k the
+    product of the P's, and R_{k+1} = P R_k P. Because P is a polynomial in R_k the two commute, so R_{k+1} =
+    P (P R_k): three m x m products per step besides R² instead of two (m, n) ones, and one Q X_0 at the end. In
+    float32 and float64 P is formed (its diagonal keeps `a` to full precision); in float16 `a` stays out of it, each
+    product taking a Y + Z Y in one call whose sum is rounded once (as `_scaled_plus_product` does in 16-bit). Nothing
+    is inverted, so rank-deficient input stays finite.
     """
-    restarts = _restart_steps(len(coefficients))
-    start = X
-    inner_dtype = _GRAM_DTYPE.get(X.dtype, X.dtype)
-    if inner_dtype != X.dtype:
+    dtype = X.dtype
+    restarts = _restart_steps(len(coefficients), dtype)
+    inner_dtype = gram_inner_dtype(dtype, X.device)
+    if inner_dtype != dtype:
         backend = kernel_choice(tuple(X.shape), inner_dtype, X.device)
+    start = X.to(inner_dtype) if inner_dtype.itemsize <= 2 else X
     square = (*X.shape[:-1], X.shape[-2])
     R = symmetric_gram(start.to(inner_dtype), backend, out=buffers.get("R", square, inner_dtype))
     if preconditioner == "aol":
@@ -234,13 +248,27 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
         if step in restarts:
             start = matmul(Q.to(start.dtype), start)
             R, Q = symmetric_gram(start.to(inner_dtype), backend, out=buffers.get("R", square, inner_dtype)), None
-        P = symmetric_polynomial(R, b, c, backend, out=buffers.get("P", square, inner_dtype))
-        P.diagonal(dim1=-2, dim2=-1).add_(a)
-        Q = P.clone() if Q is None else _product(P, Q, buffers.get(f"Q{step % 2}", square, inner_dtype))
+        P = symmetric_polynomial(R, b, c, backend, out=buffers.get("P", square, inner_dtype))  # Z
+        shift = a
+        if inner_dtype.itemsize > 2:
+            P.diagonal(dim1=-2, dim2=-1).add_(a)
+            shift = 0.0
+        if Q is None:
+            Q = P.clone()
+            if shift:
+                Q.diagonal(dim1=-2, dim2=-1).add_(shift)
+        else:
+            Q = _shifted_product(P, shift, Q, buffers.get(f"Q{step % 2}", square, inner_dtype))
         if step + 1 < len(coefficients) and step + 1 not in restarts:
-            W = _product(P, R, buffers.get("W", square, inner_dtype))  # P R
-            R = _product(P, W, buffers.get("R", square, inner_dtype))  # P R P
-    return matmul(Q.to(start.dtype), start)
+            W = _shifted_product(P, shift, R, buffers.get("W", square, inner_dtype))  # P R
+            R = _shifted_product(P, shift, W, buffers.get("R", square, inner_dtype))  # P R P
+    return matmul(Q.to(start.dtype), start).to(dtype)
+
+
+def _shifted_product(P: Tensor, shift: float, Y: Tensor, out: Tensor | None) -> Tensor:
+    """(shift I + P) @ Y, into `out` if given: P's product alone for a zero shift, else `_scaled_plus_product`, which
+    in 16-bit dtypes (the only ones with a shift) leaves P as it is."""
+    return _product(P, Y, out) if shift == 0.0 else _scaled_plus_product(Y, P, shift, out)
 
 
 class _Buffers:

@@ -51,8 +51,9 @@ def iteration_flops(view: MatrixView, steps: int, algorithm: str, dtype: torch.d
     for the matrix's wide orientation in `dtype` (standard or Gram, `newton_schulz.resolve_algorithm`), full
     products counted. The owners balance this, the work each owner will do."""
     short, long = sorted((view.rows, view.cols))
-    flop = gram_flop if resolve_algorithm(algorithm, (short, long), steps, dtype) == "gram" else standard_flop
-    return view.batch * flop(short, long, steps)
+    if resolve_algorithm(algorithm, (short, long), steps, dtype) == "gram":
+        return view.batch * gram_flop(short, long, steps, dtype)
+    return view.batch * standard_flop(short, long, steps)
 
 
 def column_share_flops(short: int, width: int, steps: int) -> float:
