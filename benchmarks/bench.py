@@ -349,11 +349,11 @@ def _step_params(device: torch.device, matrix_shapes: list[tuple[int, int]], vec
 
 
 def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> tuple[list[Row], list[str]]:
-    """One optimizer step, ours (defaults; NorMuon, AdaMuon, bfloat16 and int8 state, AOL with a step fewer) vs
-    torch.optim.Muon (its Newton-Schulz in `torch_dtype`) + fused AdamW, on GPT-2 small's hidden matrices with its
-    vectors and token embedding going to AdamW (as muon_param_groups sends them) and, on GPUs, on one Llama-3-8B
-    layer; then the AdamW-routed parameters alone against fused AdamW. The notes give each optimizer's state bytes
-    per parameter."""
+    """One optimizer step, ours (defaults; NorMuon, AdaMuon, bfloat16 and int8 state, AOL with a step fewer; on GPUs
+    also offload and the Gram iteration, which runs there in float16) vs torch.optim.Muon (its Newton-Schulz in
+    `torch_dtype`) + fused AdamW, on GPT-2 small's hidden matrices with its vectors and token embedding going to AdamW
+    (as muon_param_groups sends them) and, on GPUs, on one Llama-3-8B layer; then the AdamW-routed parameters alone
+    against fused AdamW. The notes give each optimizer's state bytes per parameter."""
     shape_sets = [("GPT-2 small", GPT2_SMALL_BLOCK, GPT2_SMALL_VECTORS, GPT2_BLOCKS, [GPT2_EMBEDDING])]
     if device.type == "cuda":
         shape_sets.append(("Llama-3-8B layer", LLAMA3_8B_LAYER, LLAMA3_8B_VECTORS, 1, []))
@@ -371,8 +371,9 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
                     "state_dtype='int8'": optimizer.Muon(groups, lr=0.02, state_dtype="int8"),
                     "preconditioner='aol', ns_steps=4": optimizer.Muon(groups, lr=0.02, preconditioner="aol",
                                                                        ns_steps=4)}
-        if device.type == "cuda":  # on a CPU the option moves nothing
+        if device.type == "cuda":  # on a CPU offload moves nothing, and the 16-bit Gram iteration runs slower
             variants["offload='cpu'"] = optimizer.Muon(groups, lr=0.02, offload="cpu")
+            variants["ns_algorithm='gram' (float16 on the GPU)"] = optimizer.Muon(groups, lr=0.02, ns_algorithm="gram")
         compiled_step = torch.compile(ours.step)
         compiled_step()  # compiles twice: before and after the step that creates the optimizer state
 

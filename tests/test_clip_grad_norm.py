@@ -154,7 +154,8 @@ def _poison(model: torch.nn.Module, value: float) -> None:
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("max_norm", [1.0, math.inf])
 @pytest.mark.parametrize("when", ["before the clip", "after the clip"])
-def test_non_finite_gradients_are_skipped_as_after_torch_s_clip(package, bad: float, max_norm: float, when: str) -> None:
+def test_non_finite_gradients_are_skipped_as_after_torch_s_clip(package, bad: float, max_norm: float,
+                                                                when: str) -> None:
     """A total norm of NaN scales every gradient to NaN and one of Inf zeroes the finite ones, as torch's clip
     does; a gradient made non-finite after the clip is caught by the step all the same."""
     model, reference, ours, theirs = _twins(package)
@@ -250,7 +251,8 @@ def test_tensor_norms_clip_as_torch_s_bit_for_bit(norm_type: float, mixed: bool)
     opt = fallback.Muon(model.parameters(), lr=0.02)
     for each in (model, reference):  # the same gradients for both, drawn per parameter size
         for param in each.parameters():
-            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())).to(param.dtype)
+            generator = torch.Generator().manual_seed(param.numel())
+            param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
     torch.testing.assert_close(opt.clip_grad_norm_(0.05, norm_type),
                                torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type),
                                rtol=0, atol=0)

@@ -143,6 +143,33 @@ def test_a_batch_is_one_call_per_product(batch):
     assert counter.count == 2 * steps + steps * batch
 
 
+class RecordProductNames(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in CountMatrixProducts.NAMES:
+            self.names.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, as_a_matrix", [((1, 40, 96), True), ((1, 96, 40), True), ((1, 512, 1024), True),
+                                                 ((1, 513, 1024), False), ((2, 40, 96), False)])
+def test_a_stack_of_one_small_matrix_runs_as_that_matrix(dtype, shape, as_a_matrix):
+    """An optimizer's bucket of one small parameter takes the 2D products (torch.optim.Muon's), bit for bit."""
+    G = random_matrix(*shape)
+    coefficients = resolve_coefficients("polar_express", 5, None)
+    with RecordProductNames() as recorder:
+        out = newton_schulz(G.clone(), coefficients, 1e-7, "torch", dtype, overwrite_input=True, workspace=Workspace())
+    assert out.shape == G.shape
+    assert ("bmm" in recorder.names or "baddbmm" in recorder.names) != as_a_matrix
+    if as_a_matrix:
+        torch.testing.assert_close(out[0], newton_schulz(G[0], coefficients, 1e-7, "torch", dtype), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("shape", [(24, 40), (4, 24, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tall_is_wide_transposed(shape, dtype):
@@ -439,3 +466,17 @@ def test_aol_keeps_zero_and_rank_deficient_input_finite(dtype):
     G = random_matrix(16, 3) @ random_matrix(3, 40, seed=1)
     out = zeropower(G, 4, dtype=dtype, preconditioner="aol")
     assert torch.isfinite(out).all() and spectral_norm(out) <= 1.3
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 24, 40), (3, 40, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_option_leaves_the_input_as_it_was(algorithm, shape, dtype):
+    """zeropower's G is the caller's, in any layout and whether or not it is already in the iteration's dtype: AOL
+    scales newton_schulz's own copy in place, never the caller's."""
+    G = random_matrix(*shape, dtype=dtype)
+    kept = G.clone()
+    for preconditioner in (None, "aol"):
+        zeropower(G, 4, dtype=dtype, algorithm=algorithm, preconditioner=preconditioner)
+        zeropower(G.mT, 4, dtype=dtype, algorithm=algorithm, preconditioner=preconditioner)
+    assert torch.equal(G, kept)

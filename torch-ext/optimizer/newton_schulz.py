@@ -19,6 +19,11 @@ PRECONDITIONERS: tuple[str | None, ...] = (None, "aol")
 
 # Each step costs three matrix products, and no schedule here improves past about ten steps.
 _MAX_STEPS = 100
+# A stack of one matrix up to this size (an optimizer's bucket of one small parameter) runs as that matrix: its 2D
+# products take no batch views and no workspace blocks, which saved 0.18-0.29 ms per call from 10x256 to 256x784 in
+# bf16 (0.45 against 0.27 ms at 10x256; torch.optim.Muon's own routine 0.24), up to 512x1024; from 512x2048 the
+# workspace's reused blocks paid more (2-core AMD EPYC).
+_LONE_MATRIX_NUMEL = 2**19
 
 
 def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficients] = "polar_express",
@@ -119,6 +124,9 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     `overwrite_input`: G is a temporary of the caller's, which the scaling may overwrite (one tensor fewer).
     `workspace`: where a CPU batch's buffers come from (None: a fresh one, dropped on return).
     """
+    if G.ndim == 3 and G.size(0) == 1 and G[0].numel() <= _LONE_MATRIX_NUMEL:
+        return newton_schulz(G[0], coefficients, eps, backend, dtype, algorithm, preconditioner, safety_factor,
+                             scale_eps, overwrite_input).unsqueeze(0)
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
     # The full reduction for 2D is torch.optim.Muon's, and so is its rounding (see `norm_denominator`).
@@ -132,8 +140,7 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     else:
         gram = None
         if preconditioner == "aol":
-            X, gram = aol_scaled(X, symmetric_gram(X, backend), eps)
-            buffers.adopt("X1", X)
+            X, gram = aol_scaled(X, symmetric_gram(X, backend), eps, in_place=True)
         X = _standard_iteration(X, gram, coefficients, backend, buffers)
     return X.mT if tall else X
 
@@ -164,12 +171,17 @@ def _scaled(X: Tensor, denominator: Tensor, dtype: torch.dtype, overwrite_input:
     return X
 
 
-def aol_scaled(X: Tensor, gram: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def aol_scaled(X: Tensor, gram: Tensor, eps: float, in_place: bool = False) -> tuple[Tensor, Tensor]:
     """AOL preconditioning (Boissin et al., "Turbo-Muon", arXiv 2512.04632): X's rows scaled by
     d = (|X Xᵀ| 1)^(-1/2), which bounds the spectral norm of D X by 1 and starts its singular values closer to 1
-    than the Frobenius scaling does; returns D X and its Gram matrix D (X Xᵀ) D, computed from the one given."""
+    than the Frobenius scaling does; returns D X and its Gram matrix D (X Xᵀ) D, computed from the one given.
+    `in_place`: both are the caller's own and are scaled where they lie (no fresh copy of X: on the CPU a new
+    GPT-2-sized stack is faulted in page by page)."""
     scale = gram.abs().sum(dim=-1).clamp(min=eps).rsqrt()  # clamped: a zero row stays zero
-    return X * scale.unsqueeze(-1).to(X.dtype), gram * scale.unsqueeze(-1) * scale.unsqueeze(-2)
+    rows, columns = scale.unsqueeze(-1), scale.unsqueeze(-2)
+    if in_place:
+        return X.mul_(rows.to(X.dtype)), gram.mul_(rows).mul_(columns)
+    return X * rows.to(X.dtype), gram * rows * columns
 
 
 def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int, dtype: torch.dtype) -> str:
@@ -242,7 +254,7 @@ def _gram_iteration(X: Tensor, coefficients: Sequence[Coefficients], backend: st
     square = (*X.shape[:-1], X.shape[-2])
     R = symmetric_gram(start.to(inner_dtype), backend, out=buffers.get("R", square, inner_dtype))
     if preconditioner == "aol":
-        start, R = aol_scaled(start, R, eps)
+        start, R = aol_scaled(start, R, eps, in_place=True)
     Q: Tensor | None = None
     for step, (a, b, c) in enumerate(coefficients):
         if step in restarts:
