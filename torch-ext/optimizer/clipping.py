@@ -47,20 +47,12 @@ def clip_by_tensor_norms_(grads: Sequence[Tensor], max_norm: float, norm_type: f
     float32 flags, 1.0 where a gradient is finite after the scaling: its own norm tells, so the next step need not
     read it. A finite gradient whose norm overflows its dtype's accumulation (an entry beyond ~1e19 in float32) counts
     as not finite; its step is skipped, where torch's clip would have zeroed every gradient (the total is Inf too)."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, grad in enumerate(grads):
-        by_dtype.setdefault(grad.dtype, []).append(i)
-    norms: list[Tensor] = [torch.empty(0)] * len(grads)
-    in_dtype_order: list[Tensor] = []
-    for indices in by_dtype.values():
-        for i, norm in zip(indices, torch._foreach_norm([grads[i] for i in indices], norm_type)):
-            norms[i] = norm
-            in_dtype_order.append(norm)
-    total = torch.linalg.vector_norm(torch.stack(in_dtype_order), norm_type)
+    norms, groups = native.tensor_norms(grads, norm_type)
+    total = torch.linalg.vector_norm(torch.stack([norms[i] for indices in groups for i in indices]), norm_type)
     if error_if_nonfinite and not bool(total.isfinite()):
         _raise_nonfinite(total)
     scale = (max_norm / (total + _NORM_EPS)).clamp(max=1.0)
-    for indices in by_dtype.values():
+    for indices in groups:
         torch._foreach_mul_([grads[i] for i in indices], scale)
     return total, torch.stack(norms).isfinite().to(torch.float32) * scale.isfinite().to(torch.float32)
 

@@ -341,34 +341,37 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
 
     On the CPU the compiled op reads each tensor once at memory speed, all of them in one call. Elsewhere (GPUs, and
     builds without the op) each tensor's largest magnitude, finite exactly when the tensor is, comes from torch's
-    multi-tensor norm (`_largest_magnitudes`): one pass over each tensor in a few launches for all of them, where a
-    kernel per tensor (97 for GPT-2 small's AdamW part) cost more host time than the reads take on a GPU."""
+    multi-tensor norm (`tensor_norms`): one pass over each tensor in a few launches for all of them, where a kernel
+    per tensor (97 for GPT-2 small's AdamW part) cost more host time than the reads take on a GPU."""
     device = tensors[0].device if tensors else torch.device("cpu")
     for i, tensor in enumerate(tensors):
         if tensor.device != device:  # else the dispatcher would pick the other device
             raise ValueError(f"finite_flags: tensors[{i}] is on {tensor.device} but tensors[0] is on {device}")
     compiled = _compiled_op(_FINITE_FLAGS_OP, device.type)
     if compiled is None and tensors:
-        return torch.stack(_largest_magnitudes(tensors)).isfinite().to(torch.float32)
+        return torch.stack(tensor_norms(tensors, math.inf)[0]).isfinite().to(torch.float32)
     finite = torch.ones(len(tensors), dtype=torch.float32, device=device)
     if compiled is not None:
         compiled([tensor.contiguous() for tensor in tensors], finite)
     return finite
 
 
-def _largest_magnitudes(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Each tensor's largest |element| as a 0-dim tensor, NaN where it holds a NaN (0 for an empty tensor): the
-    infinity norm of `torch._foreach_norm`, one call per dtype, since its multi-tensor kernel takes one dtype."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
+def tensor_norms(tensors: Sequence[Tensor], ord: float) -> tuple[list[Tensor], list[list[int]]]:
+    """Each tensor's `ord`-norm as a 0-dim tensor, in the tensors' order (0 for an empty tensor, whose infinity norm
+    torch leaves undefined), by `torch._foreach_norm`, one multi-tensor call per dtype (its kernel takes one); and
+    the indices of each dtype's tensors, dtypes in the order they first appear, as torch.nn.utils.clip_grad_norm_
+    groups (and sums) them. A NaN anywhere in a tensor makes its norm NaN."""
+    groups: dict[torch.dtype, list[int]] = {}
     for i, tensor in enumerate(tensors):
-        if tensor.numel():  # an empty tensor holds no NaN or Inf, and its infinity norm is undefined (torch raises)
-            by_dtype.setdefault(tensor.dtype, []).append(i)
-    some_empty = sum(map(len, by_dtype.values())) < len(tensors)
-    magnitudes = [torch.zeros((), device=tensors[0].device) if some_empty else None] * len(tensors)
-    for indices in by_dtype.values():
-        for i, magnitude in zip(indices, torch._foreach_norm([tensors[i] for i in indices], math.inf)):
-            magnitudes[i] = magnitude
-    return magnitudes
+        groups.setdefault(tensor.dtype, []).append(i)
+    norms: dict[int, Tensor] = {}
+    for indices in groups.values():
+        measured = [i for i in indices if tensors[i].numel()]
+        if measured:
+            norms.update(zip(measured, torch._foreach_norm([tensors[i] for i in measured], ord)))
+    ordered = [norms[i] if i in norms else torch.zeros((), dtype=tensor.dtype, device=tensor.device)
+               for i, tensor in enumerate(tensors)]
+    return ordered, list(groups.values())
 
 
 def _common_device(momentum_buffers: list[Tensor], grads: list[Tensor], updates: list[Tensor]) -> torch.device:
