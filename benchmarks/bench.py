@@ -42,6 +42,8 @@ GPT2_SMALL_BLOCK = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
 GPT2_SMALL_VECTORS = [2304, 768, 3072, 768, 768, 768, 768, 768]  # biases and LayerNorm weights/biases per block
 GPT2_BLOCKS = 12
 GPT2_EMBEDDING = (50257, 768)  # the token embedding (tied output head), an AdamW tensor
+MNIST_MLP = [(256, 784), (256, 256), (10, 256)]  # the classifier most first tries of an optimizer train
+MNIST_MLP_VECTORS = [256, 256, 10]
 # One Llama-3-8B decoder layer: q, k, v, o (GQA: 8 KV heads of 128) and the SwiGLU MLP, stored (out, in); two norms.
 LLAMA3_8B_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096),
                    (4096, 14336)]
@@ -353,7 +355,7 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
     also offload and the Gram iteration, which runs there in float16) vs torch.optim.Muon (its Newton-Schulz in
     `torch_dtype`) + fused AdamW, on GPT-2 small's hidden matrices with its vectors and token embedding going to AdamW
     (as muon_param_groups sends them) and, on GPUs, on one Llama-3-8B layer; then the AdamW-routed parameters alone
-    against fused AdamW. The notes give each optimizer's state bytes per parameter."""
+    against fused AdamW, and a small model's step. The notes give each optimizer's state bytes per parameter."""
     shape_sets = [("GPT-2 small", GPT2_SMALL_BLOCK, GPT2_SMALL_VECTORS, GPT2_BLOCKS, [GPT2_EMBEDDING])]
     if device.type == "cuda":
         shape_sets.append(("Llama-3-8B layer", LLAMA3_8B_LAYER, LLAMA3_8B_VECTORS, 1, []))
@@ -397,7 +399,30 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
                                      **{f"optimizer.Muon, {key}": [opt] for key, opt in variants.items()}}.items()]
         rows += _adamw_part_rows(optimizer, device, f"{name}, its {len(vectors)} AdamW tensors alone", vectors,
                                  repeats)
+    rows += _small_model_rows(optimizer, device, torch_dtype, repeats)
     return rows, notes
+
+
+def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:
+    """The step on a small model, where each call's own overhead weighs as much as its products: the MNIST-sized
+    MLP 784-256-256-10 (three matrices, each a bucket of one, and three biases), ours against torch.optim.Muon +
+    fused AdamW, side by side over 20x the rounds (a step takes milliseconds)."""
+    matrices, vectors = _step_params(device, MNIST_MLP, MNIST_MLP_VECTORS, 1, [])
+    theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
+              torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
+    ours = optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02)
+
+    def torch_step() -> None:
+        with torch_muon_computing_in(torch_dtype):
+            for opt in theirs:
+                opt.step()
+
+    baseline, eager = paired_medians_ms([torch_step, ours.step], device, 20 * repeats)
+    case = "MNIST MLP 784-256-256-10, 3 matrices + 3 biases"
+    flop = sum(newton_schulz_flop(*shape, 5) for shape in MNIST_MLP)
+    return [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused AdamW",
+                baseline, flop, baseline),
+            Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline)]
 
 
 def _adamw_part_rows(optimizer, device: torch.device, case: str, params: list[torch.Tensor], repeats: int) -> list[Row]:
