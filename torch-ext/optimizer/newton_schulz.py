@@ -122,7 +122,8 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     norm before the division (timm's; Polar Express uses 1.01). `scale_eps` (timm's, for μP, arXiv 2512.05620):
     eps * sqrt(cols / rows) of G as given ((out, in)) is added to the norm instead of clamping it.
     `overwrite_input`: G is a temporary of the caller's, which the scaling may overwrite (one tensor fewer).
-    `workspace`: where a CPU batch's buffers come from (None: a fresh one, dropped on return).
+    `workspace`: where a CPU batch's buffers come from (None: a fresh one, dropped on return). A batch of one small
+    matrix runs as that matrix, without the workspace (see `_LONE_MATRIX_NUMEL`).
     """
     if G.ndim == 3 and G.size(0) == 1 and G[0].numel() <= _LONE_MATRIX_NUMEL:
         return newton_schulz(G[0], coefficients, eps, backend, dtype, algorithm, preconditioner, safety_factor,
