@@ -185,6 +185,15 @@ def torch_muon_computing_in(dtype: torch.dtype) -> Iterator[None]:
         torch.Tensor.bfloat16 = original
 
 
+def torch_stepping(optimizers: list[torch.optim.Optimizer], torch_dtype: torch.dtype) -> Callable[[], None]:
+    """One step of each of torch's optimizers, torch.optim.Muon's Newton-Schulz computing in `torch_dtype`."""
+    def step() -> None:
+        with torch_muon_computing_in(torch_dtype):
+            for opt in optimizers:
+                opt.step()
+    return step
+
+
 def faster_torch_dtype(device: torch.device, repeats: int) -> tuple[torch.dtype, dict[torch.dtype, float]]:
     """The dtype torch.mm runs faster in here (fp32 or bf16) and both rates in GFLOP/s, at 512 on CPUs (an
     emulated bf16 product is too slow for more) and 4096 on GPUs. On CPUs each rate is the best of 4x `repeats`
@@ -363,8 +372,7 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
     for name, matrix_shapes, vector_sizes, copies, embeddings in shape_sets:
         matrices, vectors = _step_params(device, matrix_shapes, vector_sizes, copies, embeddings)
         flop = sum(newton_schulz_flop(*shape, 5) for shape in matrix_shapes) * copies
-        theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
-                  torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
+        theirs = step_memory._optimizers(optimizer, "torch.optim.Muon + AdamW", matrices, vectors)
         groups = [dict(params=matrices), dict(params=vectors, use_muon=False)]
         ours = optimizer.Muon(groups, lr=0.02)
         variants = {"normalization='neuron' (NorMuon)": optimizer.Muon(groups, lr=0.02, normalization="neuron"),
@@ -379,13 +387,9 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         compiled_step = torch.compile(ours.step)
         compiled_step()  # compiles twice: before and after the step that creates the optimizer state
 
-        def torch_step() -> None:
-            with torch_muon_computing_in(torch_dtype):
-                for opt in theirs:
-                    opt.step()
-
         baseline, eager, compiled, *variant_ms = paired_medians_ms(
-            [torch_step, ours.step, compiled_step, *(opt.step for opt in variants.values())], device, repeats)
+            [torch_stepping(theirs, torch_dtype), ours.step, compiled_step, *(opt.step for opt in variants.values())],
+            device, repeats)
         case = f"{name}, {len(matrices)} matrices + {len(vectors)} AdamW tensors"
         rows += [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + "
                      "fused AdamW", baseline, flop, baseline),
@@ -408,16 +412,9 @@ def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype,
     MLP 784-256-256-10 (three matrices, each a bucket of one, and three biases), ours against torch.optim.Muon +
     fused AdamW, side by side over 20x the rounds (a step takes milliseconds)."""
     matrices, vectors = _step_params(device, MNIST_MLP, MNIST_MLP_VECTORS, 1, [])
-    theirs = [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
-              torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
-    ours = optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02)
-
-    def torch_step() -> None:
-        with torch_muon_computing_in(torch_dtype):
-            for opt in theirs:
-                opt.step()
-
-    baseline, eager = paired_medians_ms([torch_step, ours.step], device, 20 * repeats)
+    theirs, (ours,) = (step_memory._optimizers(optimizer, label, matrices, vectors)
+                       for label in ("torch.optim.Muon + AdamW", "optimizer.Muon (defaults)"))
+    baseline, eager = paired_medians_ms([torch_stepping(theirs, torch_dtype), ours.step], device, 20 * repeats)
     case = "MNIST MLP 784-256-256-10, 3 matrices + 3 biases"
     flop = sum(newton_schulz_flop(*shape, 5) for shape in MNIST_MLP)
     return [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused AdamW",
