@@ -37,8 +37,11 @@ def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
 
 # --- against torch.optim.Muon and torch.optim.AdamW ---------------------------------------------------------
 
+@pytest.mark.parametrize("rounds", ["shared", "one per bucket"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_matches_torch_muon(nesterov: bool) -> None:
+def test_matches_torch_muon(nesterov: bool, rounds: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if rounds == "one per bucket":  # as large buckets run: each alone, its Newton-Schulz buffers from the workspace
+        monkeypatch.setattr(functional, "_ROUND_NUMEL", 0)
     torch.manual_seed(0)
     # Batches of 2, 3 and 1, in an order whose buffers (reused from bucket to bucket and step to step on a CPU)
     # shrink and grow again.
@@ -357,6 +360,31 @@ def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.Monkey
     seeded_grads(params, 0)
     Muon(params).step()
     assert sorted(calls) == [(2, 48, 32), (5, 32, 48)]
+
+
+@pytest.mark.parametrize("round_numel, rounds", [(None, 1), (32 * 48 * 3, 2), (0, 3)])
+def test_small_buckets_share_the_calls_of_a_round(round_numel: int | None, rounds: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three buckets: 3 x (32, 48), (48, 32), (16, 16). A round takes one momentum call and one update call for all
+    # of its parameters; buckets join a round while their stacks fit in _ROUND_NUMEL elements in all.
+    if round_numel is not None:
+        monkeypatch.setattr(functional, "_ROUND_NUMEL", round_numel)
+    native = sys.modules[f"{optimizer.__name__}.native"]
+    calls: dict[str, list[int]] = {"muon_momentum_": [], "apply_update_": []}
+    for name in calls:
+        real = getattr(native, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls[_name].append(len(args[0]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(native, name, counting)
+    shapes = [(32, 48), (48, 32), (32, 48), (16, 16), (32, 48)]
+    params = [torch.randn(shape) for shape in shapes]
+    seeded_grads(params, 0)
+    Muon(params, weight_decay=0.1).step()
+    expected = {1: [5], 2: [3, 2], 3: [3, 1, 1]}[rounds]
+    assert calls == {"muon_momentum_": expected, "apply_update_": expected}
 
 
 def test_ns_dtype_none_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

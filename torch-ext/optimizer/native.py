@@ -301,8 +301,10 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
     served = [i for i, taken in enumerate(by_op) if taken]
     rest = [i for i, taken in enumerate(by_op) if not taken]
     if served:
-        served_decay = (torch.ones(len(served), dtype=torch.float64) if decay is None
-                        else decay[served].to(torch.float64))
+        if decay is None:
+            served_decay = torch.ones(len(served), dtype=torch.float64)
+        else:  # no index op where every parameter is served, as on the CPU they all are
+            served_decay = (decay if len(served) == len(params) else decay[served]).to(torch.float64)
         compiled([params[i] for i in served], [updates[i] for i in served], served_decay,
                  torch.tensor([float(step_sizes[i]) for i in served], dtype=torch.float64))
     if decay is not None and rest:
