@@ -17,10 +17,11 @@ HAS_CUDA = torch.cuda.is_available()
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # (m, k) and (B, m, k) around the CPU kernel's tilings. SMALL_SHAPES fit one 256-row panel (a batch of them is one
 # batched GEMM; (2, 3, 5) is small enough for torch's own loop instead of BLAS). TILED_SHAPES take several panels
-# (below 1024 rows, and always in 16-bit dtypes) or recursive halving into 128-row blocks (float32 and float64 from
-# 1024 rows; 1030 and 1100 cut the last tile of each level short). Both tall (m > k) and wide X appear.
+# (below 1024 rows, and always in 16-bit dtypes, whose diagonal blocks take 128-row sub-panels: 450 rows cut the last
+# panel's second one short) or recursive halving into 128-row blocks (float32 and float64 from 1024 rows; 1030 and
+# 1100 cut the last tile of each level short). Both tall (m > k) and wide X appear.
 SMALL_SHAPES = ((1, 1), (1, 9), (7, 3), (7, 300), (130, 517), (256, 9), (2, 3, 5), (4, 7, 33), (3, 200, 130))
-TILED_SHAPES = ((300, 7), (517, 300), (300, 1100), (1100, 1000), (2, 517, 300), (2, 1030, 64))
+TILED_SHAPES = ((300, 7), (517, 300), (450, 300), (300, 1100), (1100, 1000), (2, 517, 300), (2, 1030, 64))
 
 
 @pytest.fixture(params=[pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.skipif(
