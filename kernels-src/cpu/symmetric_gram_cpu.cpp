@@ -11,6 +11,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include "transpose_cpu.h"
+#include "vector_clones.h"
+
 namespace {
 
 // Two tilings, measured with torch on 2 cores (MKL for float32, oneDNN with AMX for bfloat16; m = 512 to 4096,
@@ -148,9 +151,13 @@ void lower_gram(const at::Tensor& out, const GramTerms& terms) {
 }
 
 // Copies the strictly-lower triangle of each (m, m) matrix onto the upper one, as raw bits of the element's width.
-// A memory-bound pass with no BLAS inside, so it is the one place this file parallelizes itself.
+// A memory-bound pass with no BLAS inside, so it is the one place this file parallelizes itself. Within each square
+// block, 8 x 8 sub-blocks wholly above the diagonal are transposed in registers; the diagonal's own sub-blocks and
+// the edges of a matrix whose side is no multiple of 8 are copied element by element. Element by element throughout,
+// the pass cost as much as a sixth of a 4096-row bf16 Gram product: X Xᵀ of 4096x1024 took 57.9 ms, 48.4 this way
+// (float32 115 -> 108; (2, 2048, 512) bf16 18.6 -> 14.1; 768-row matrices, whose triangle stays in cache, the same).
 template <typename bits_t>
-void mirror_lower_to_upper(bits_t* data, int64_t batch, int64_t m) {
+MUON_VECTOR_CLONES void mirror_lower_to_upper(bits_t* data, int64_t batch, int64_t m) {
   const int64_t blocks = (m + kMirrorBlock - 1) / kMirrorBlock;
   // Block pairs (row block <= column block) of every matrix, flattened so that threads share the triangle evenly.
   std::vector<std::pair<int64_t, int64_t>> pairs;
@@ -168,9 +175,17 @@ void mirror_lower_to_upper(bits_t* data, int64_t batch, int64_t m) {
       const auto [row_begin, col_begin] = pairs[task % static_cast<int64_t>(pairs.size())];
       const int64_t row_end = std::min(row_begin + kMirrorBlock, m);
       const int64_t col_end = std::min(col_begin + kMirrorBlock, m);
-      for (int64_t i = row_begin; i < row_end; ++i) {
-        for (int64_t j = std::max(col_begin, i + 1); j < col_end; ++j) {
-          matrix[i * m + j] = matrix[j * m + i];
+      for (int64_t i = row_begin; i < row_end; i += 8) {
+        for (int64_t j = std::max(col_begin, i); j < col_end; j += 8) {
+          if (j > i && i + 8 <= row_end && j + 8 <= col_end) {
+            muon_cpu::transpose8(matrix + j * m + i, m, matrix + i * m + j, m);
+            continue;
+          }
+          for (int64_t row = i; row < std::min(i + 8, row_end); ++row) {
+            for (int64_t col = std::max(j, row + 1); col < std::min(j + 8, col_end); ++col) {
+              matrix[row * m + col] = matrix[col * m + row];
+            }
+          }
         }
       }
     }
