@@ -293,18 +293,20 @@ class _Buffers:
         self.enabled = X.ndim == 3 and Workspace.serves(X.device)
         self.workspace = workspace or Workspace()
         self.device = X.device
-        self.adopted: dict[str, Tensor] = {}
+        self.taken: dict[str, Tensor] = {}
 
     def get(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Tensor | None:
         if not self.enabled:
             return None
-        adopted = self.adopted.get(name)
-        return self.workspace.tensor(name, shape, dtype, self.device) if adopted is None else adopted
+        taken = self.taken.get(name)
+        if taken is None or taken.shape != shape or taken.dtype != dtype:
+            taken = self.taken[name] = self.workspace.tensor(name, shape, dtype, self.device)
+        return taken
 
     def adopt(self, name: str, tensor: Tensor) -> None:
         """Use `tensor` (the caller's to overwrite, contiguous) as the buffer `name`."""
         if self.enabled and tensor.is_contiguous():
-            self.adopted[name] = tensor
+            self.taken[name] = tensor
 
 
 def _standard_iteration(X: Tensor, gram: Tensor | None, coefficients: Sequence[Coefficients],
