@@ -44,6 +44,9 @@ GPT2_BLOCKS = 12
 GPT2_EMBEDDING = (50257, 768)  # the token embedding (tied output head), an AdamW tensor
 MNIST_MLP = [(256, 784), (256, 256), (10, 256)]  # the classifier most first tries of an optimizer train
 MNIST_MLP_VECTORS = [256, 256, 10]
+# GPT-2 small's 145 tensors, every dim divided by 96: its step is the optimizer's own Python and per-call overhead,
+# which is what a GPU's step of the full model waits on (the products take a fraction of it there).
+GPT2_STRUCTURE_WIDTH = 96
 # One Llama-3-8B decoder layer: q, k, v, o (GQA: 8 KV heads of 128) and the SwiGLU MLP, stored (out, in); two norms.
 LLAMA3_8B_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096),
                    (4096, 14336)]
@@ -408,18 +411,28 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
 
 
 def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:
-    """The step on a small model, where each call's own overhead weighs as much as its products: the MNIST-sized
-    MLP 784-256-256-10 (three matrices, each a bucket of one, and three biases), ours against torch.optim.Muon +
-    fused AdamW, side by side over 20x the rounds (a step takes milliseconds)."""
-    matrices, vectors = _step_params(device, MNIST_MLP, MNIST_MLP_VECTORS, 1, [])
-    theirs, (ours,) = (step_memory._optimizers(optimizer, label, matrices, vectors)
-                       for label in ("torch.optim.Muon + AdamW", "optimizer.Muon (defaults)"))
-    baseline, eager = paired_medians_ms([torch_stepping(theirs, torch_dtype), ours.step], device, 20 * repeats)
-    case = "MNIST MLP 784-256-256-10, 3 matrices + 3 biases"
-    flop = sum(newton_schulz_flop(*shape, 5) for shape in MNIST_MLP)
-    return [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused AdamW",
-                baseline, flop, baseline),
-            Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline)]
+    """The step where each call's own overhead weighs as much as its products, ours against torch.optim.Muon + fused
+    AdamW, side by side over 20x the rounds (a step takes milliseconds): a small model, the MNIST-sized MLP
+    784-256-256-10 (three matrices, each a bucket of one, and three biases), and GPT-2 small's structure at
+    1/GPT2_STRUCTURE_WIDTH of its width."""
+    def narrow(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(max(1, size // GPT2_STRUCTURE_WIDTH) for size in shape)
+
+    cases = {"MNIST MLP 784-256-256-10, 3 matrices + 3 biases": (MNIST_MLP, MNIST_MLP_VECTORS, 1, []),
+             f"GPT-2 small's 48 matrices + 97 AdamW tensors, every dim / {GPT2_STRUCTURE_WIDTH} (host time)": (
+                 [narrow(shape) for shape in GPT2_SMALL_BLOCK], [narrow((size,))[0] for size in GPT2_SMALL_VECTORS],
+                 GPT2_BLOCKS, [narrow(GPT2_EMBEDDING)])}
+    rows = []
+    for case, (matrix_shapes, vector_sizes, copies, embeddings) in cases.items():
+        matrices, vectors = _step_params(device, matrix_shapes, vector_sizes, copies, embeddings)
+        theirs, (ours,) = (step_memory._optimizers(optimizer, label, matrices, vectors)
+                           for label in ("torch.optim.Muon + AdamW", "optimizer.Muon (defaults)"))
+        baseline, eager = paired_medians_ms([torch_stepping(theirs, torch_dtype), ours.step], device, 20 * repeats)
+        flop = copies * sum(newton_schulz_flop(*shape, 5) for shape in matrix_shapes)
+        rows += [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused "
+                     "AdamW", baseline, flop, baseline),
+                 Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline)]
+    return rows
 
 
 def _adamw_part_rows(optimizer, device: torch.device, case: str, params: list[torch.Tensor], repeats: int) -> list[Row]:
