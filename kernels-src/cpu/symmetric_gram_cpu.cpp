@@ -18,18 +18,20 @@ namespace {
 
 // Two tilings, measured with torch on 2 cores (MKL for float32, oneDNN with AMX for bfloat16; m = 512 to 4096,
 // k = 512 to 4096, against each other and against 128 to 384 rows per block). Below kHalvingMinRows, row panels of
-// kPanelRows rows: a few wide GEMMs, about (m^2 + m kPanelRows) k / 2 multiply-adds. From it on, recursive halving
-// down to blocks of kHalvingBlockRows rows, about (m^2 + m kHalvingBlockRows) k / 2 multiply-adds, with the equal
-// tiles of each level run as one batched GEMM (one BLAS batch call): in float32, 5 to 10% faster than panels from
-// m = 2048 on, 5 to 10% slower at m = 512 to 768.
+// kPanelRows rows, their diagonal blocks in sub-panels of kDiagonalRows rows: a few wide GEMMs, about
+// (m^2 + m kDiagonalRows) k / 2 multiply-adds. From it on, recursive halving down to blocks of kHalvingBlockRows rows,
+// about (m^2 + m kHalvingBlockRows) k / 2 multiply-adds, with the equal tiles of each level run as one batched GEMM
+// (one BLAS batch call): in float32, 5 to 10% faster than whole 256-row panels from m = 2048 on, 5 to 10% slower at
+// m = 512 to 768.
 constexpr int64_t kPanelRows = 256;
-// 16-bit panels compute their diagonal block by sub-panels of this many rows, each up to its own diagonal: oneDNN's
-// bf16 GEMMs (AVX512-BF16, 2-core AMD EPYC) ran them at nearly the full panel's rate, so the block's upper half is no
-// longer multiplied. X Xᵀ of one 768x3072 matrix in 5.2 instead of 6.0 ms (torch.mm 8.4), of GPT-2's (12, 768, 3072)
-// stack in 65.7 instead of 71.7 ms, of a (4, 1024, 4096) one in 51.2 instead of 54.3 (paired runs); (12, 768, 768)
-// about the same. 128-row panels throughout were as fast at 768 rows, slower at 1024. float32 (MKL) gained nothing
-// clear from either.
-constexpr int64_t kDiagonalRows16Bit = 128;
+// Panels compute their diagonal block by sub-panels of this many rows, each up to its own diagonal: the BLAS ran them
+// at nearly the full panel's rate (2-core AMD EPYC), so the block's upper half is no longer multiplied. In bf16
+// (oneDNN, AVX512-BF16): X Xᵀ of one 768x3072 matrix in 5.2 instead of 6.0 ms (torch.mm 8.4), of GPT-2's
+// (12, 768, 3072) stack in 65.7 instead of 71.7 ms, of a (4, 1024, 4096) one in 51.2 instead of 54.3 (paired runs);
+// (12, 768, 768) about the same. In float32 (MKL): the (12, 768, 3072) stack in 147 instead of 158 ms, (12, 768, 768)
+// in 38.8 instead of 42.3, (4, 512, 2048) in 15.9 instead of 18.4 (paired); one 1000x4000 matrix the same. 128-row
+// panels throughout were as fast at 768 rows, slower at 1024.
+constexpr int64_t kDiagonalRows = 128;
 constexpr int64_t kHalvingMinRows = 1024;
 constexpr int64_t kHalvingBlockRows = 128;
 // Square blocks of the mirror pass: the fastest of 16 to 64 rows and columns, in float32 and bfloat16 alike.
@@ -92,22 +94,17 @@ void gemm_tiles(const at::Tensor& out, const GramTerms& terms, const Tiles& tile
   tiles_of(out, tiles).copy_(staged);
 }
 
-// Row panel p holds rows [p b, p b + b) from column 0 to its diagonal block. The diagonal block is written whole
-// when diagonal_rows >= b (with the rest of the panel, in one GEMM); else by sub-panels of diagonal_rows rows, each
-// from the block's first column to its own diagonal block, written whole.
-void lower_by_panels(const at::Tensor& out, const GramTerms& terms, int64_t diagonal_rows) {
+// Row panel p holds rows [p b, p b + b): one GEMM from column 0 to its diagonal block, then the diagonal block by
+// sub-panels of kDiagonalRows rows, each from the block's first column to its own diagonal block, written whole.
+void lower_by_panels(const at::Tensor& out, const GramTerms& terms) {
   const int64_t m = out.size(0);
   for (int64_t begin = 0; begin < m; begin += kPanelRows) {
     const int64_t end = std::min(begin + kPanelRows, m);
-    if (diagonal_rows >= end - begin) {
-      gemm_tiles(out, terms, Tiles{1, begin, 0, 0, end - begin, end});
-      continue;
-    }
     if (begin > 0) {
       gemm_tiles(out, terms, Tiles{1, begin, 0, 0, end - begin, begin});
     }
-    for (int64_t sub = begin; sub < end; sub += diagonal_rows) {
-      const int64_t sub_end = std::min(sub + diagonal_rows, end);
+    for (int64_t sub = begin; sub < end; sub += kDiagonalRows) {
+      const int64_t sub_end = std::min(sub + kDiagonalRows, end);
       gemm_tiles(out, terms, Tiles{1, sub, begin, 0, sub_end - sub, sub_end - begin});
     }
   }
@@ -139,12 +136,10 @@ void lower_by_halving(const at::Tensor& out, const GramTerms& terms) {
 // out's lower triangle and diagonal, tile after tile: each GEMM already uses every thread. Halving is for float32
 // and float64 only: 16-bit GEMMs with AMX (oneDNN) run 128-row tiles far below their full speed, and were 1.5 to 2x
 // slower with halving than with panels at m = 1024 to 2048; the dispatcher sends 16-bit products here only on CPUs
-// without AMX, where 128-row sub-panels of the diagonal blocks pay (kDiagonalRows16Bit).
+// without AMX, where 128-row sub-panels of the diagonal blocks pay (kDiagonalRows).
 void lower_gram(const at::Tensor& out, const GramTerms& terms) {
-  if (out.element_size() < 4) {
-    lower_by_panels(out, terms, kDiagonalRows16Bit);
-  } else if (out.size(0) < kHalvingMinRows) {
-    lower_by_panels(out, terms, kPanelRows);
+  if (out.size(0) < kHalvingMinRows || out.element_size() < 4) {
+    lower_by_panels(out, terms);
   } else {
     lower_by_halving(out, terms);
   }
