@@ -158,10 +158,10 @@ def _rounds(buckets: Sequence[list[MuonTensors]]) -> list[list[list[MuonTensors]
     rounds: list[list[list[MuonTensors]]] = []
     filling: dict[tuple, tuple[list[list[MuonTensors]], int]] = {}
     for bucket in buckets:
-        numel = _stack_numel(bucket)
+        numel = math.prod(_stack_shape(bucket))
         key = (bucket[0].param.device, bucket[0].param.dtype)
-        current, held = filling.get(key, ([], _ROUND_NUMEL))
-        if held + numel > _ROUND_NUMEL:
+        current, held = filling.get(key, (None, 0))
+        if current is None or held + numel > _ROUND_NUMEL:
             current, held = [], 0
             rounds.append(current)
         current.append(bucket)
@@ -169,8 +169,9 @@ def _rounds(buckets: Sequence[list[MuonTensors]]) -> list[list[list[MuonTensors]
     return rounds
 
 
-def _stack_numel(bucket: Sequence[MuonTensors]) -> int:
-    return sum(item.view.batch for item in bucket) * bucket[0].view.rows * bucket[0].view.cols
+def _stack_shape(bucket: Sequence[MuonTensors]) -> tuple[int, int, int]:
+    """(batch, rows, cols) of the stack the bucket's matrices are orthogonalized in."""
+    return sum(item.view.batch for item in bucket), bucket[0].view.rows, bucket[0].view.cols
 
 
 def _momentum_into(buckets: Sequence[list[MuonTensors]], stacks: Sequence[Tensor], beta: float,
@@ -207,8 +208,7 @@ def _momentum_into(buckets: Sequence[list[MuonTensors]], stacks: Sequence[Tensor
 def _stacks(buckets: Sequence[list[MuonTensors]], workspace: Workspace, dtype: torch.dtype,
             device: torch.device) -> list[Tensor]:
     """Each bucket's (batch, rows, cols) stack, one after the other in the workspace's block "stack"."""
-    shapes = [(sum(item.view.batch for item in bucket), bucket[0].view.rows, bucket[0].view.cols)
-              for bucket in buckets]
+    shapes = [_stack_shape(bucket) for bucket in buckets]
     sizes = [math.prod(shape) for shape in shapes]
     block = workspace.tensor("stack", (sum(sizes),), dtype, device)
     return [part.view(shape) for part, shape in zip(block.split(sizes), shapes)]
