@@ -230,10 +230,10 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         # A skipped parameter's momentum step wrote zeros, and Newton-Schulz maps zero to exactly zero (the norm is
         # clamped, and each matrix of the batch is independent), so its update below adds exactly nothing.
         ns_workspace = workspace if len(round_buckets) == 1 else None
-        updates = [item.view.from_matrices(part, item.param.shape)
-                   for bucket, matrices in zip(round_buckets, stacks)
-                   for item, part in zip(bucket, orthogonalizer(matrices, ns_workspace).split(
-                       [item.view.batch for item in bucket]))]
+        updates: list[Tensor] = []
+        for bucket, matrices in zip(round_buckets, stacks):
+            orthogonal = orthogonalizer(matrices, ns_workspace).split([item.view.batch for item in bucket])
+            updates += [item.view.from_matrices(part, item.param.shape) for item, part in zip(bucket, orthogonal)]
         params = [item.param for item in round_items]
         skipped = finite.eq(0)
         torch._foreach_add_([item.nonfinite_skips for item in round_items], skipped.to(torch.int64).unbind())
@@ -296,8 +296,10 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: Learni
     # The bookkeeping of all parameters in two foreach calls: an op per parameter costs more than a bias's update.
     torch._foreach_add_([item.step for item in items], (1 - found_inf).unbind())
     torch._foreach_add_([item.nonfinite_skips for item in items], found_inf.to(torch.int64).unbind())
-    left = _adamw_one_launch_(items, found_inf, **settings) if one_launch_serves(device_type) else list(
-        range(len(items)))
+    if one_launch_serves(device_type):
+        left = _adamw_one_launch_(items, found_inf, **settings)
+    else:
+        left = list(range(len(items)))
     flags = found_inf.unbind()
     for index in left:
         _fused_adamw_one_(items[index], flags[index], **settings)
