@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -34,13 +35,20 @@ def _hsdp(model):
     return fully_shard(model, mesh=mesh)
 
 
-def _init_process_group() -> None:
-    """Gloo on torchrun's store under a prefix per attempt: the rendezvous store outlives a restart, and the keys the
-    first attempt's ranks left there (their gloo addresses, now dead) would otherwise be read by the next ones."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+# Longer than the failed node's agent takes to notice and call a new rendezvous round (monitor interval 0.5 s).
+BUSY_NODE_S = 5.0
+
+
+def _fail(rank: int, world: int, died: Path) -> None:
+    """The last rank dies, with no goodbye, as a crashed host's would. Meanwhile the other nodes' ranks are busy in
+    their own work (a long forward pass) rather than in a collective that would fail at once, so their healthy agents
+    restart them for the new round, as torchrun restarts the healthy nodes of a real job."""
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    if rank == world - 1:
+        died.touch()
+        os._exit(17)
+    if rank // per_node != (world - 1) // per_node:
+        time.sleep(BUSY_NODE_S)
 
 
 def _newest(checkpoints: Path) -> int:
@@ -55,7 +63,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--fail-at", type=int, default=None, help="the step before which the last rank dies, once")
     args = parser.parse_args()
-    _init_process_group()
+    died = args.checkpoints / "a-rank-died"  # once per job: a restart may give the last rank to another node
+    fails = args.fail_at is not None and not died.exists()  # read before any rank of this attempt can have died
+    dist.init_process_group("gloo")  # on the store of this rendezvous round only: see test_multinode.py
     rank, world = dist.get_rank(), dist.get_world_size()
     start = _newest(args.checkpoints)
     model = _hsdp(small_mlp(seed=1 if start else 0))  # resumed, another seed: only the checkpoint can make it right
@@ -65,11 +75,9 @@ def main() -> None:
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(args.checkpoints / f"step-{start}"))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    died = args.checkpoints / "a-rank-died"  # once per job: a restart may give the last rank to another node
     for step in range(start, args.steps):
-        if step == args.fail_at and rank == world - 1 and not died.exists():
-            died.touch()
-            os._exit(17)  # no goodbye: the rank is simply gone, as a crashed host's would be
+        if fails and step == args.fail_at:
+            _fail(rank, world, died)
         train_steps(model, optimizer, range(step, step + 1), rank, world)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state},

@@ -6,6 +6,7 @@ ranks compare their parameters with one device's uninterrupted run (multinode_wo
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,9 @@ from spawning import free_port
 WORKER = Path(__file__).resolve().parent / "multinode_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 JOB_TIMEOUT_S = 300
-# A restarted job takes ~15 s here. torchrun's restart on one 2-core machine goes wrong now and then, about one run in
-# ten: the agents never finish the next rendezvous round (a hang), or a restarted rank's gloo mesh times out connecting
-# to a peer that is not listening ("Connection refused") and the agents give up. A restarted job that hangs past this or
-# fails runs once more from scratch, and only a second failure fails the test.
+# A restarted job takes ~15 s here. Beyond the restart this test is about, a job on one 2-core machine can still lose a
+# race of its own now and then (a port that get_free_port handed out taken before its owner binds it): a restarted job
+# that hangs past this or fails runs once more from scratch, and only a second failure fails the test.
 RESTART_JOB_TIMEOUT_S = 120
 AGENT_STOP_S = 30
 PER_NODE = 2
@@ -39,7 +39,12 @@ def _job(nodes: int, checkpoints: Path, steps: int, max_restarts: int = 0, fail_
                "--monitor-interval=0.5", str(WORKER), "--checkpoints", str(checkpoints), "--steps", str(steps)]
     if fail_at is not None:
         command += ["--fail-at", str(fail_at)]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    # One store per rendezvous round. torchrun's default shares its rendezvous store with the ranks across restarts and
+    # leaves them to tell attempts apart by TORCHELASTIC_RESTART_COUNT, which each agent counts for itself: an agent
+    # whose ranks failed restarts as attempt 1, one restarted because the other left as attempt 0, and the two halves
+    # then read each other's dead addresses ("Connection refused") or wait for keys that never come (a hang).
+    # pytorch/pytorch#135712; the README's multi-node recipe sets the same variable.
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
               for _ in range(nodes)]
     outputs = []
@@ -82,6 +87,7 @@ def test_a_rank_that_dies_is_restarted_from_the_last_checkpoint_and_loses_no_ste
         except (subprocess.TimeoutExpired, JobFailed):
             if attempt == "second":
                 raise
-    assert (checkpoints / "a-rank-died").exists() and any("failed (exitcode: 17)" in output for output in outputs)
+    # The killed rank is the only failure: the healthy node's ranks, restarted for the new round, start cleanly.
+    assert re.findall(r"failed \(exitcode: (-?\d+)\)", "".join(outputs)) == ["17"]
     assert sorted(path.name for path in checkpoints.iterdir()) == ["a-rank-died", "step-1", "step-2", "step-3",
                                                                     "step-4"]
