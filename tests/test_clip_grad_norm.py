@@ -131,19 +131,21 @@ def test_the_step_with_the_clip_s_flags_equals_the_step_with_the_guard(package, 
 
 
 def test_the_step_after_a_clip_does_not_read_the_gradients_again(package, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AdamW part gets the clip's flags; without a clip it gets none (None) and checks each gradient itself."""
     model = _model()
     opt = package.Muon(model.parameters(), lr=0.02)
-    muon_module = submodule(package, "muon")
-    checked = []
-    real = muon_module.found_inf_flags
-    monkeypatch.setattr(muon_module, "found_inf_flags", lambda grads: checked.append(len(grads)) or real(grads))
+    offload_module = submodule(package, "offload")
+    flags_given = []
+    real = offload_module.adamw_update
+    monkeypatch.setattr(offload_module, "adamw_update", lambda items, found_inf, **settings: flags_given.append(
+        None if found_inf is None else len(found_inf)) or real(items, found_inf, **settings))
     _backward(model, 0)
     opt.clip_grad_norm_(1.0)
     opt.step()
-    assert checked == []
+    assert flags_given == [_adamw_routed(opt)]
     _backward(model, 1)
-    opt.step()  # no clip before this one: the guard reads the AdamW-routed gradients
-    assert checked == [_adamw_routed(opt)]
+    opt.step()  # no clip before this one: the update checks the AdamW-routed gradients
+    assert flags_given == [_adamw_routed(opt), None]
 
 
 def _poison(model: torch.nn.Module, value: float) -> None:

@@ -20,6 +20,7 @@ from kernel_under_test import optimizer, submodule
 
 Muon = optimizer.Muon
 functional = sys.modules[f"{optimizer.__name__}.functional"]
+native = sys.modules[f"{optimizer.__name__}.native"]
 TRITON_INTERPRETED = functional.TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -69,10 +70,15 @@ def test_matches_torch_muon(nesterov: bool, rounds: str, monkeypatch: pytest.Mon
                                        rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(params=["fused per dtype", "one Triton launch"])
+@pytest.fixture(params=["one compiled call", "fused per dtype", "one Triton launch"])
 def adamw_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The CPU's AdamW path (the flags read, then torch's fused kernel once per dtype), or the GPUs' (one Triton
-    launch per dtype with a skip flag per tensor), run here by the Triton interpreter."""
+    """The CPU's AdamW paths: the compiled `adamw_checked_` (each gradient checked, then its update, all in one
+    call), or without it the flags read and then torch's fused kernel once per dtype; or the GPUs' (one Triton launch
+    per dtype with a skip flag per tensor), run here by the Triton interpreter."""
+    if request.param == "one compiled call" and not native.has_compiled_adamw_checked("cpu"):
+        pytest.skip("this build has no compiled adamw_checked_")
+    if request.param == "fused per dtype":
+        monkeypatch.setattr(native, "has_compiled_adamw_checked", lambda device_type: False)
     if request.param == "one Triton launch":
         if not TRITON_INTERPRETED:
             pytest.skip("CPU tensors in Triton kernels need the interpreter")

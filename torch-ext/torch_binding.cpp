@@ -403,6 +403,13 @@ void checked_normalize_rows(at::TensorList updates, at::TensorList moments, cons
   impl(updates, moments, decays, corrections, one_minus_beta, eps, squares);
 }
 
+void check_adamw_betas(const char* op, double beta1, double beta2) {
+  for (const auto& [name, beta] : {std::pair{"beta1", beta1}, std::pair{"beta2", beta2}}) {
+    TORCH_CHECK_VALUE(std::isfinite(beta) && beta >= 0.0 && beta < 1.0, op, ": ", name, " must be in [0, 1), got ",
+                      beta);
+  }
+}
+
 void check_adamw_rounded_args(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                               const std::optional<at::Tensor>& exp_avg_scales, const at::Tensor& exp_avg_sq,
                               const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
@@ -433,10 +440,7 @@ void check_adamw_rounded_args(const at::Tensor& param, const at::Tensor& grad, c
                           positions->sizes() == param.sizes() && positions->device() == param.device(),
                       op, ": positions must be a contiguous int64 tensor of shape ", param.sizes());
   }
-  for (const auto& [name, beta] : {std::pair{"beta1", beta1}, std::pair{"beta2", beta2}}) {
-    TORCH_CHECK_VALUE(std::isfinite(beta) && beta >= 0.0 && beta < 1.0, op, ": ", name, " must be in [0, 1), got ",
-                      beta);
-  }
+  check_adamw_betas(op, beta1, beta2);
 }
 
 template <AdamWRoundedImpl impl>
@@ -449,6 +453,46 @@ void checked_adamw_rounded(at::Tensor& param, const at::Tensor& grad, at::Tensor
                            positions, step, beta1, beta2);
   impl(param, grad, exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count, positions, step, lr, beta1,
        beta2, eps, weight_decay);
+}
+
+void check_adamw_checked_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                              at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& found_inf,
+                              double beta1, double beta2) {
+  const char* op = "adamw_checked_";
+  const size_t count = params.size();
+  for (const auto& [name, list] : {std::pair{"grads", grads}, std::pair{"exp_avgs", exp_avgs},
+                                   std::pair{"exp_avg_sqs", exp_avg_sqs}, std::pair{"steps", steps}}) {
+    TORCH_CHECK_VALUE(list.size() == count, op, ": ", name, " has ", list.size(), " tensors but params has ", count);
+  }
+  check_flags(op, found_inf, count);
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& param = params[i];
+    TORCH_CHECK_VALUE(param.scalar_type() == at::kFloat || param.scalar_type() == at::kBFloat16 ||
+                          param.scalar_type() == at::kHalf,
+                      op, ": params[", i, "] has dtype ", param.scalar_type(),
+                      " (expected float32, bfloat16 or float16)");
+    for (const auto& [name, tensor] : {std::pair{"params", param}, std::pair{"grads", grads[i]},
+                                       std::pair{"exp_avgs", exp_avgs[i]}, std::pair{"exp_avg_sqs", exp_avg_sqs[i]}}) {
+      TORCH_CHECK_VALUE(tensor.is_contiguous() && tensor.sizes() == param.sizes() &&
+                            tensor.scalar_type() == param.scalar_type() && tensor.device() == found_inf.device(),
+                        op, ": ", name, "[", i, "] must be contiguous, of shape ", param.sizes(), ", dtype ",
+                        param.scalar_type(), " and on ", found_inf.device(), ", got ", tensor.scalar_type(),
+                        " of shape ", tensor.sizes(), " on ", tensor.device());
+    }
+    TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 &&
+                          steps[i].device() == found_inf.device(),
+                      op, ": steps[", i, "] must be one float32 on ", found_inf.device(), ", got ",
+                      steps[i].scalar_type(), " of shape ", steps[i].sizes());
+  }
+  check_adamw_betas(op, beta1, beta2);
+}
+
+template <AdamWCheckedImpl impl>
+void checked_adamw_checked(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                           at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& found_inf, bool check,
+                           double lr, double beta1, double beta2, double eps, double weight_decay) {
+  check_adamw_checked_args(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, beta1, beta2);
+  impl(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, check, lr, beta1, beta2, eps, weight_decay);
 }
 
 }  // namespace
@@ -483,6 +527,11 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "adamw_rounded_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!)? exp_avg_scales, "
       "Tensor(d!) exp_avg_sq, Tensor(e!)? exp_avg_sq_scales, Tensor rounding_count, Tensor? positions, Tensor step, "
       "float lr, float beta1, float beta2, float eps, float weight_decay) -> ()");
+  // AdamW's step on moments stored as they are, each gradient checked first where `check` (see torch_binding.h).
+  ops.def(
+      "adamw_checked_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] steps, Tensor(e!) found_inf, bool check, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay) -> ()");
   // AdaMuon's per-entry second moment and division, in place (see torch_binding.h).
   ops.def(
       "normalize_elements_(Tensor(a!)[] updates, Tensor(b!)[] moments, Tensor decays, Tensor corrections, "
@@ -496,6 +545,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("normalize_elements_", c10::DeviceType::CPU, &checked_normalize_elements<&normalize_elements_cpu>);
   ops.impl("normalize_rows_", c10::DeviceType::CPU, &checked_normalize_rows<&normalize_rows_cpu>);
   ops.impl("adamw_rounded_", c10::DeviceType::CPU, &checked_adamw_rounded<&adamw_rounded_cpu>);
+  ops.impl("adamw_checked_", c10::DeviceType::CPU, &checked_adamw_checked<&adamw_checked_cpu>);
   ops.impl("muon_momentum_", c10::DeviceType::CPU, &checked_muon_momentum<&muon_momentum_cpu>);
   ops.impl("muon_momentum_rounded_", c10::DeviceType::CPU,
            &checked_muon_momentum_rounded<&muon_momentum_rounded_cpu>);

@@ -11,55 +11,15 @@
 #include <ATen/core/Tensor.h>
 
 #include "../common/stochastic_rounding.h"
+#include "adamw_math_cpu.h"
 #include "finite_cpu.h"
 #include "moment_codes_cpu.h"
-#include "momentum_math_cpu.h"
 #include "torch_binding.h"
 
 namespace {
 
-using muon_cpu::Lerp;
-using muon_cpu::store;
-using muon_cpu::widen;
-
-// AdamW's constants for this step, in float32 as torch's CPU kernel applies them; the bias corrections are computed
-// in double first (1 - beta2^step loses most of its digits in float32 when beta2 is near 1).
-struct AdamWRule {
-  Lerp<float> toward_grad;  // exp_avg.lerp_(grad, 1 - beta1)
-  float beta2;
-  float one_minus_beta2;
-  float decay;       // 1 - lr * weight_decay
-  float step_size;   // lr / (1 - beta1^step)
-  float bias2_root;  // sqrt(1 - beta2^step)
-  float eps;
-
-  AdamWRule(double lr, double beta1, double beta2, double eps, double weight_decay, double step)
-      : toward_grad(1.0 - beta1),
-        beta2(static_cast<float>(beta2)),
-        one_minus_beta2(static_cast<float>(1.0 - beta2)),
-        decay(static_cast<float>(1.0 - lr * weight_decay)),
-        step_size(static_cast<float>(lr / (1.0 - std::pow(beta1, step)))),
-        bias2_root(static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)))),
-        eps(static_cast<float>(eps)) {}
-};
-
-// Entries [first, first + length) of the parameter, with their moments m and v (float32, indexed from 0) in place.
-// Taken by value: through a reference GCC reloads the fields after each store (see muon_momentum_rounded_cpu.cpp).
-template <typename param_t, typename grad_t>
-MUON_VECTOR_CLONES void step_entries(param_t* __restrict__ param, const grad_t* __restrict__ grad,
-                                     float* __restrict__ m, float* __restrict__ v, int64_t first, int64_t length,
-                                     const AdamWRule rule) {
-  for (int64_t t = 0; t < length; ++t) {
-    const auto g = static_cast<float>(widen(grad[first + t]));
-    const auto decayed = static_cast<float>(widen(param[first + t])) * rule.decay;
-    const float exp_avg = rule.toward_grad(m[t], g);
-    const float exp_avg_sq = rule.beta2 * v[t] + rule.one_minus_beta2 * g * g;
-    const float denominator = std::sqrt(exp_avg_sq) / rule.bias2_root + rule.eps;
-    store(param + first + t, decayed - rule.step_size * exp_avg / denominator);
-    m[t] = exp_avg;
-    v[t] = exp_avg_sq;
-  }
-}
+using muon_cpu::AdamWRule;
+using muon_cpu::step_entries;
 
 MUON_VECTOR_CLONES void load_bfloat16_pair(float* __restrict__ m, float* __restrict__ v,
                                            const uint16_t* __restrict__ stored_m,
@@ -113,7 +73,7 @@ void step_bfloat16(param_t* param, const grad_t* grad, uint16_t* stored_m, uint1
     for (int64_t first = begin; first < end; first += kRoundedBlock) {
       const int64_t length = std::min(kRoundedBlock, end - first);
       load_bfloat16_pair(m, v, stored_m, stored_v, first, length);
-      step_entries(param, grad, m, v, first, length, rule);
+      step_entries(param + first, grad + first, m, v, length, rule);
       salt.fill(bits, first, length);
       store_bfloat16_pair(stored_m, stored_v, m, v, bits, first, length);
     }
@@ -131,7 +91,7 @@ void step_codes(param_t* param, const grad_t* grad, int8_t* codes_m, int8_t* cod
       const int64_t first = blocks.first(block), length = blocks.length(block);
       load_code_pair(m, v, reinterpret_cast<const uint8_t*>(codes_m), reinterpret_cast<const uint8_t*>(codes_v),
                      scales_m[block], scales_v[block], first, length, e4m3);
-      step_entries(param, grad, m, v, first, length, rule);
+      step_entries(param + first, grad + first, m, v, length, rule);
       store_code_pair(codes_m, codes_v, scales_m + block, scales_v + block, m, v, first, length, salt);
     }
   });

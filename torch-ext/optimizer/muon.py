@@ -654,12 +654,13 @@ class Muon(Optimizer):
                         weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
         for device_items in by_device(items).values():
             # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer,
-            # unless clip_grad_norm_ found out while it read them. The update itself is elementwise: each rank runs
-            # it on its own shards, as plain tensors.
+            # unless clip_grad_norm_ found out while it read them; plain gradients are checked by the update itself.
+            # The update is elementwise: each rank runs it on its own shards, as plain tensors.
             checked = self._checked_gradients
+            grads = [item.grad for item in device_items]
             found_inf = None if checked is None else checked.found_inf([item.param for item in device_items])
-            if found_inf is None:
-                found_inf = found_inf_flags([item.grad for item in device_items])
+            if found_inf is None and any(is_dtensor(grad) for grad in grads):
+                found_inf = found_inf_flags(grads)
             staged_adamw_update([_local_adamw_item(item) for item in device_items], found_inf, **settings)
 
     @torch.no_grad()

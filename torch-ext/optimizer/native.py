@@ -1,8 +1,9 @@
 """The compiled ops of this build variant: `muon_momentum_`, `muon_momentum_rounded_`, `load_moment`, `store_moment_`,
 `finite_flags` and `apply_update_`, each with a pure-PyTorch fallback of the same semantics when it is absent, and
-`symmetric_gram_`, `adamw_rounded_`, `normalize_elements_`, `normalize_rows_` and `squared_norms_`, which exist only
-compiled (callers check `has_compiled_symmetric_gram`, `has_compiled_adamw_rounded`, `has_compiled_normalize_elements`,
-`has_compiled_normalize_rows` and `has_compiled_squared_norms`).
+`symmetric_gram_`, `adamw_rounded_`, `adamw_checked_`, `normalize_elements_`, `normalize_rows_` and `squared_norms_`,
+which exist only compiled (callers check `has_compiled_symmetric_gram`, `has_compiled_adamw_rounded`,
+`has_compiled_adamw_checked`, `has_compiled_normalize_elements`, `has_compiled_normalize_rows` and
+`has_compiled_squared_norms`).
 
 The only module that touches `_ops` (generated per build variant; the plain source tree has none).
 """
@@ -35,11 +36,13 @@ _LOAD_MOMENT_OP = "load_moment_"
 _STORE_MOMENT_OP = "store_moment_"
 _APPLY_UPDATE_OP = "apply_update_"
 _ADAMW_ROUNDED_OP = "adamw_rounded_"
+_ADAMW_CHECKED_OP = "adamw_checked_"
 _NORMALIZE_ELEMENTS_OP = "normalize_elements_"
 _NORMALIZE_ROWS_OP = "normalize_rows_"
 _SQUARED_NORMS_OP = "squared_norms_"
 _OPS = (_MOMENTUM_OP, _ROUNDED_MOMENTUM_OP, _SYMMETRIC_GRAM_OP, _FINITE_FLAGS_OP, _LOAD_MOMENT_OP, _STORE_MOMENT_OP,
-        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP, _NORMALIZE_ELEMENTS_OP, _NORMALIZE_ROWS_OP, _SQUARED_NORMS_OP)
+        _APPLY_UPDATE_OP, _ADAMW_ROUNDED_OP, _ADAMW_CHECKED_OP, _NORMALIZE_ELEMENTS_OP, _NORMALIZE_ROWS_OP,
+        _SQUARED_NORMS_OP)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The device types a build can compile kernels for, with their dispatch keys; any other device takes the fallback.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -136,6 +139,33 @@ def adamw_rounded_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_scales:
     compiled(param, grad.contiguous(), exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count,
              None if positions is None else positions.contiguous(), step, float(lr), betas[0], betas[1], eps,
              weight_decay)
+
+
+def has_compiled_adamw_checked(device_type: str) -> bool:
+    """Whether this build has a compiled `adamw_checked_` kernel for the device type, usable here (not while
+    torch.compile traces)."""
+    return _eager_op(_ADAMW_CHECKED_OP, device_type) is not None
+
+
+# The parameter dtypes `adamw_checked_` steps (float32 arithmetic, as torch's fused AdamW does for all three).
+ADAMW_CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def adamw_checked_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                   exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], found_inf: Tensor | None, *, lr: float,
+                   betas: tuple[float, float], eps: float, weight_decay: float) -> Tensor:
+    """torch's fused AdamW step (decoupled weight decay) on parameters whose moments are stored as they are, each
+    parameter's tensors contiguous and of one dtype of ADAMW_CHECKED_DTYPES, its step count one float32. found_inf:
+    (N,) float32 flags, 1.0 where a parameter is skipped; None: each gradient is checked for NaN and Inf in the same
+    call, just before its parameter's update. Skipped parameters are left as they were; the others' step counts move
+    by one before their update. Returns the flags (written when found_inf was None). Only compiled: callers check
+    `has_compiled_adamw_checked` first."""
+    compiled = _required_op(_ADAMW_CHECKED_OP, params[0].device.type if params else None)
+    check = found_inf is None
+    flags = torch.empty(len(params), dtype=torch.float32, device=params[0].device) if check else found_inf
+    compiled(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), flags, check, float(lr),
+             betas[0], betas[1], eps, weight_decay)
+    return flags
 
 
 def has_compiled_normalize_elements(device_type: str) -> bool:

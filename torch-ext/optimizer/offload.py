@@ -20,7 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from .functional import AdamWTensors, MuonTensors, adamw_update, buckets, by_device, muon_update
+from .functional import AdamWTensors, MuonTensors, adamw_update, buckets, by_device, muon_update, nonfinite_flags
 from .state_precision import MOMENT_KEYS, scale_key
 
 OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
@@ -116,12 +116,15 @@ def staged_muon_update(items: list[MuonTensors], **settings: Any) -> None:
         run_staged(buckets(device_items), lambda bucket: muon_update(bucket, **settings), CudaCopier(device))
 
 
-def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor, **settings: Any) -> None:
-    """`adamw_update` of one device's items, or with offloaded state, one parameter at a time with its state
-    streamed a parameter ahead; `run_staged` updates them in order, so each takes the next of the flags."""
+def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, **settings: Any) -> None:
+    """`adamw_update` of one device's items (found_inf None: their gradients not checked yet), or with offloaded
+    state, one parameter at a time with its state streamed a parameter ahead; `run_staged` updates them in order, so
+    each takes the next of the flags."""
     if not any(offloaded(item) for item in items):
         adamw_update(items, found_inf, **settings)
         return
+    if found_inf is None:
+        found_inf = nonfinite_flags([item.grad for item in items])
     flags = iter(found_inf.split(1))
     run_staged([[item] for item in items], lambda one: adamw_update(one, next(flags), **settings),
                CudaCopier(found_inf.device))

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..functional import nonfinite_flags
 from ..native import finite_flags
 from . import comm
 from .dtensors import is_dtensor, local_tensor
@@ -29,7 +30,7 @@ def found_inf_flags(grads: Sequence[Tensor]) -> Tensor:
         asker = None if mesh is None else comm.spread_group(mesh, comm.spread_mesh_dims(mesh, grad.placements))
         askers.setdefault(asker, []).append(i)
     if list(askers) == [None]:
-        return 1.0 - finite_flags(grads)
+        return nonfinite_flags(grads)
     flags: list[Tensor] = [torch.empty(0)] * len(grads)
     for asker, indices in askers.items():
         tensors = [local_tensor(grads[i]) for i in indices]

@@ -1,0 +1,56 @@
+// AdamW's step on the CPU for moments stored as they are, each parameter's gradient checked for NaN and Inf just
+// before its own update: the guard and the update in one call. A separate check of every gradient first read the
+// largest ones back from memory a whole pass ahead of their updates, and cost a call and the flags' round trip.
+#include <cstdint>
+
+#include <ATen/Dispatch_v2.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include "adamw_math_cpu.h"
+#include "finite_cpu.h"
+#include "torch_binding.h"
+
+namespace {
+
+struct Hyperparameters {
+  double lr, beta1, beta2, eps, weight_decay;
+};
+
+// One parameter: skipped (left as it was) where its flag says so, or where `check` finds a NaN or Inf in its
+// gradient (the flag is then written); otherwise its step count moves by one and its entries take the step.
+template <typename value_t>
+void step_checked(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                  const at::Tensor& exp_avg_sq, const at::Tensor& step, float& skipped, bool check,
+                  const Hyperparameters& h) {
+  const auto* grad_data = grad.const_data_ptr<value_t>();
+  if (check) {
+    skipped = muon_cpu::all_finite(grad_data, grad.numel()) ? 0.0f : 1.0f;
+  }
+  if (skipped != 0.0f) {
+    return;
+  }
+  float* count = step.mutable_data_ptr<float>();
+  *count += 1.0f;
+  const muon_cpu::AdamWRule rule(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, static_cast<double>(*count));
+  auto* param_data = param.mutable_data_ptr<value_t>();
+  auto* m = exp_avg.mutable_data_ptr<value_t>();
+  auto* v = exp_avg_sq.mutable_data_ptr<value_t>();
+  at::parallel_for(0, param.numel(), muon_cpu::kGrainSize, [&](int64_t begin, int64_t end) {
+    muon_cpu::step_streamed_entries(param_data + begin, grad_data + begin, m + begin, v + begin, end - begin, rule);
+  });
+}
+
+}  // namespace
+
+void adamw_checked_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                       at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& found_inf, bool check,
+                       double lr, double beta1, double beta2, double eps, double weight_decay) {
+  const Hyperparameters h{lr, beta1, beta2, eps, weight_decay};
+  float* skipped = found_inf.mutable_data_ptr<float>();
+  for (size_t i = 0; i < params.size(); ++i) {
+    AT_DISPATCH_V2(params[i].scalar_type(), "adamw_checked_cpu", AT_WRAP([&] {
+      step_checked<scalar_t>(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i], skipped[i], check, h);
+    }), at::kFloat, at::kBFloat16, at::kHalf);
+  }
+}

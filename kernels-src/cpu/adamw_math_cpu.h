@@ -1,0 +1,88 @@
+#pragma once
+// AdamW's element math on the CPU, torch's fused AdamW formula with its constants in float32: shared by the op that
+// steps moments stored as they are (`adamw_checked_`) and the one that steps moments stored rounded
+// (`adamw_rounded_`).
+#include <cmath>
+#include <cstdint>
+
+#include "momentum_math_cpu.h"
+#include "vector_clones.h"
+
+namespace muon_cpu {
+
+// AdamW's constants for this step, in float32 as torch's CPU kernel applies them; the bias corrections are computed
+// in double first (1 - beta2^step loses most of its digits in float32 when beta2 is near 1).
+struct AdamWRule {
+  Lerp<float> toward_grad;  // exp_avg.lerp_(grad, 1 - beta1)
+  float beta2;
+  float one_minus_beta2;
+  float decay;       // 1 - lr * weight_decay
+  float step_size;   // lr / (1 - beta1^step)
+  float bias2_root;  // sqrt(1 - beta2^step)
+  float eps;
+
+  AdamWRule(double lr, double beta1, double beta2, double eps, double weight_decay, double step)
+      : toward_grad(1.0 - beta1),
+        beta2(static_cast<float>(beta2)),
+        one_minus_beta2(static_cast<float>(1.0 - beta2)),
+        decay(static_cast<float>(1.0 - lr * weight_decay)),
+        step_size(static_cast<float>(lr / (1.0 - std::pow(beta1, step)))),
+        bias2_root(static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)))),
+        eps(static_cast<float>(eps)) {}
+};
+
+// One entry of a parameter with its gradient and its moments m and v, in place. As torch's kernel does for 16-bit
+// tensors, the parameter's step uses the moments before they are rounded to their dtype.
+template <typename param_t, typename grad_t, typename moment_t>
+C10_ALWAYS_INLINE void step_entry(param_t* __restrict__ param, const grad_t* __restrict__ grad,
+                                  moment_t* __restrict__ m, moment_t* __restrict__ v, const AdamWRule& rule) {
+  const auto g = static_cast<float>(widen(*grad));
+  const auto decayed = static_cast<float>(widen(*param)) * rule.decay;
+  const float exp_avg = rule.toward_grad(static_cast<float>(widen(*m)), g);
+  const float exp_avg_sq = rule.beta2 * static_cast<float>(widen(*v)) + rule.one_minus_beta2 * g * g;
+  const float denominator = std::sqrt(exp_avg_sq) / rule.bias2_root + rule.eps;
+  store(param, decayed - rule.step_size * exp_avg / denominator);
+  store(m, exp_avg);
+  store(v, exp_avg_sq);
+}
+
+// `length` entries. The rule is taken by value: through a reference GCC reloads its fields after each store (see
+// muon_momentum_rounded_cpu.cpp).
+template <typename param_t, typename grad_t, typename moment_t>
+MUON_VECTOR_CLONES void step_entries(param_t* __restrict__ param, const grad_t* __restrict__ grad,
+                                     moment_t* __restrict__ m, moment_t* __restrict__ v, int64_t length,
+                                     const AdamWRule rule) {
+  for (int64_t t = 0; t < length; ++t) {
+    step_entry(param + t, grad + t, m + t, v + t, rule);
+  }
+}
+
+// How far ahead step_streamed_entries prefetches each stream. A 38M-entry float32 step (2-core Xeon): 21.0 ms at
+// 2 KiB, 21.3 at 1 KiB, 21.4 at 4 KiB, 21.5 at 8 KiB, 22.9 with the hardware's prefetcher alone, 28 with a burst
+// of prefetches for each 4 KiB block; torch's fused AdamW kernel took 24-25 ms.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// `length` entries of tensors that stream from memory: each cache line of the four is prefetched kPrefetchBytes
+// before it is read.
+template <typename value_t>
+MUON_VECTOR_CLONES void step_streamed_entries(value_t* __restrict__ param, const value_t* __restrict__ grad,
+                                              value_t* __restrict__ m, value_t* __restrict__ v, int64_t length,
+                                              const AdamWRule rule) {
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(value_t));
+  constexpr int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(value_t));
+  int64_t first = 0;
+  for (; first + ahead + line <= length; first += line) {
+    __builtin_prefetch(grad + first + ahead);
+    __builtin_prefetch(param + first + ahead, 1);
+    __builtin_prefetch(m + first + ahead, 1);
+    __builtin_prefetch(v + first + ahead, 1);
+    for (int64_t t = first; t < first + line; ++t) {
+      step_entry(param + t, grad + t, m + t, v + t, rule);
+    }
+  }
+  for (int64_t t = first; t < length; ++t) {
+    step_entry(param + t, grad + t, m + t, v + t, rule);
+  }
+}
+
+}  // namespace muon_cpu
