@@ -59,7 +59,7 @@ MUON_VECTOR_CLONES void step_entries(param_t* __restrict__ param, const grad_t* 
 
 // How far ahead step_streamed_entries prefetches each stream. A 38M-entry float32 step (2-core Xeon): 21.0 ms at
 // 2 KiB, 21.3 at 1 KiB, 21.4 at 4 KiB, 21.5 at 8 KiB, 22.9 with the hardware's prefetcher alone, 28 with a burst
-// of prefetches for each 4 KiB block; torch's fused AdamW kernel took 24-25 ms.
+// of prefetches for each 4 KiB block, in runs where torch's fused AdamW kernel took 24.1-25.2 ms.
 constexpr int64_t kPrefetchBytes = 2048;
 
 // `length` entries of tensors that stream from memory: each cache line of the four is prefetched kPrefetchBytes
