@@ -467,10 +467,8 @@ void check_adamw_checked_args(at::TensorList params, at::TensorList grads, at::T
   check_flags(op, found_inf, count);
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
-    TORCH_CHECK_VALUE(param.scalar_type() == at::kFloat || param.scalar_type() == at::kBFloat16 ||
-                          param.scalar_type() == at::kHalf,
-                      op, ": params[", i, "] has dtype ", param.scalar_type(),
-                      " (expected float32, bfloat16 or float16)");
+    TORCH_CHECK_VALUE(param.scalar_type() == at::kFloat, op, ": params[", i, "] has dtype ", param.scalar_type(),
+                      " (expected float32)");
     for (const auto& [name, tensor] : {std::pair{"params", param}, std::pair{"grads", grads[i]},
                                        std::pair{"exp_avgs", exp_avgs[i]}, std::pair{"exp_avg_sqs", exp_avg_sqs[i]}}) {
       TORCH_CHECK_VALUE(tensor.is_contiguous() && tensor.sizes() == param.sizes() &&
