@@ -101,7 +101,7 @@ def _bad_calls() -> list[tuple[str, dict, str]]:
         ("moment dtype", arguments(exp_avgs=[torch.zeros(4, 8, dtype=torch.bfloat16)]), r"exp_avgs\[0\] must be"),
         ("strided", arguments(exp_avg_sqs=[torch.zeros(8, 4).t()]), r"exp_avg_sqs\[0\] must be contiguous"),
         ("step dtype", arguments(steps=[torch.tensor(1)]), r"steps\[0\] must be one float32"),
-        ("flags shape", arguments(found_inf=torch.zeros(2)), "finite must be a contiguous float32 tensor of shape"),
+        ("flags shape", arguments(found_inf=torch.zeros(2)), "found_inf must be a contiguous float32 tensor of shape"),
         ("beta1 of 1", arguments(beta1=1.0), r"beta1 must be in \[0, 1\)"),
     ]
 

@@ -30,11 +30,11 @@ void check_tensor(const at::Tensor& tensor, const char* name, size_t index, cons
   TORCH_CHECK_VALUE(tensor.is_contiguous(), "muon_momentum_: ", name, "[", index, "] must be contiguous");
 }
 
-// The per-tensor flags every op writes: one float32 per tensor, where the tensors are.
-void check_flags(const char* op, const at::Tensor& finite, size_t count) {
+// The per-tensor flags every op writes (or reads): one float32 per tensor, where the tensors are.
+void check_flags(const char* op, const at::Tensor& finite, size_t count, const char* name = "finite") {
   TORCH_CHECK_VALUE(finite.scalar_type() == at::kFloat && finite.dim() == 1 && finite.is_contiguous() &&
                         finite.numel() == static_cast<int64_t>(count),
-                    op, ": finite must be a contiguous float32 tensor of shape (", count, "), got ",
+                    op, ": ", name, " must be a contiguous float32 tensor of shape (", count, "), got ",
                     finite.scalar_type(), " of shape ", finite.sizes());
 }
 
@@ -464,7 +464,7 @@ void check_adamw_checked_args(at::TensorList params, at::TensorList grads, at::T
                                    std::pair{"exp_avg_sqs", exp_avg_sqs}, std::pair{"steps", steps}}) {
     TORCH_CHECK_VALUE(list.size() == count, op, ": ", name, " has ", list.size(), " tensors but params has ", count);
   }
-  check_flags(op, found_inf, count);
+  check_flags(op, found_inf, count, "found_inf");
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
     TORCH_CHECK_VALUE(param.scalar_type() == at::kFloat, op, ": params[", i, "] has dtype ", param.scalar_type(),
