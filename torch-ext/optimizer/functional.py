@@ -493,8 +493,8 @@ def _on_contiguous_(items: Sequence[AdamWTensors],
     view; the compiled ops take contiguous tensors. What was a copy goes back."""
     written = [tensor for item in items for tensor in (item.param, item.exp_avg, item.exp_avg_sq)]
     work = [tensor.contiguous() for tensor in written]
-    result = update(work[0::3], [item.grad.to(item.param.dtype).contiguous() for item in items], work[1::3],
-                    work[2::3])
+    grads = [item.grad if item.grad.dtype == item.param.dtype else item.grad.to(item.param.dtype) for item in items]
+    result = update(work[0::3], [grad.contiguous() for grad in grads], work[1::3], work[2::3])
     for original, copy in zip(written, work):
         if copy is not original:
             original.copy_(copy)
