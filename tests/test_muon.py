@@ -612,8 +612,8 @@ def test_the_guard_flags_exactly_the_nonfinite_adamw_gradients(case: str) -> Non
 @pytest.mark.parametrize("flags_from", ["the step", "clip_grad_norm_"])
 def test_a_group_split_between_the_cpu_op_and_torch_s_kernel_skips_exactly_the_nonfinite(flags_from: str,
                                                                                        adamw_path: str) -> None:
-    # float32 goes through the compiled adamw_checked_ (where the build has it), bfloat16 and float64 through
-    # torch's fused kernel; an Inf in one of each kind: those two keep their values and state, the others step as fused
+    # float32 and bfloat16 go through the compiled adamw_checked_ (where the build has it), float64 through torch's
+    # fused kernel; an Inf in one of each kind: those two keep their values and state, the others step as fused
     # torch.optim.AdamW steps them, whether the step checks the gradients or takes the clip's flags (the clip's
     # total norm is then Inf: it scales every gradient by 0, as torch's does, and the Inf ones become NaN).
     dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float64, torch.float32]

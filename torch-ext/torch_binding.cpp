@@ -467,8 +467,8 @@ void check_adamw_checked_args(at::TensorList params, at::TensorList grads, at::T
   check_flags(op, found_inf, count, "found_inf");
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
-    TORCH_CHECK_VALUE(param.scalar_type() == at::kFloat, op, ": params[", i, "] has dtype ", param.scalar_type(),
-                      " (expected float32)");
+    TORCH_CHECK_VALUE(param.scalar_type() == at::kFloat || param.scalar_type() == at::kBFloat16, op, ": params[", i,
+                      "] has dtype ", param.scalar_type(), " (expected float32 or bfloat16)");
     for (const auto& [name, tensor] : {std::pair{"params", param}, std::pair{"grads", grads[i]},
                                        std::pair{"exp_avgs", exp_avgs[i]}, std::pair{"exp_avg_sqs", exp_avg_sqs[i]}}) {
       TORCH_CHECK_VALUE(tensor.is_contiguous() && tensor.sizes() == param.sizes() &&

@@ -138,8 +138,9 @@ void adamw_rounded_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& ex
                        const std::optional<at::Tensor>& positions, const at::Tensor& step, double lr, double beta1,
                        double beta2, double eps, double weight_decay);
 
-// AdamW's step (torch's fused AdamW arithmetic, decoupled weight decay) on float32 parameters whose moments are stored
-// as they are: params[i], grads[i], exp_avgs[i] and exp_avg_sqs[i] contiguous float32 tensors of one shape.
+// AdamW's step (torch's fused AdamW arithmetic, decoupled weight decay; bfloat16 computed in float32) on parameters
+// whose moments are stored as they are: params[i], grads[i], exp_avgs[i] and exp_avg_sqs[i] contiguous, of one shape
+// and one dtype, float32 or bfloat16.
 // found_inf (float32, one per parameter): with `check`, written, 1.0 where grads[i] holds a NaN or Inf; without,
 // read. A parameter flagged 1.0 is left as it was; the others' steps[i] (one float32) move by one before their
 // update.

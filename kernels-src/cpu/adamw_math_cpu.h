@@ -32,13 +32,15 @@ struct AdamWRule {
 };
 
 // One entry of a parameter with its gradient and its moments m and v, in place. As torch's kernel does for 16-bit
-// tensors, the parameter's step uses the moments before they are rounded to their dtype.
-template <typename param_t, typename grad_t, typename moment_t>
+// tensors, the parameter's step uses the moments before they are rounded to their dtype. kFromStart is the lerp's
+// formula (Lerp::from_start) fixed at compile time: chosen per element, it kept GCC from vectorizing bfloat16 loops.
+template <bool kFromStart, typename param_t, typename grad_t, typename moment_t>
 C10_ALWAYS_INLINE void step_entry(param_t* __restrict__ param, const grad_t* __restrict__ grad,
                                   moment_t* __restrict__ m, moment_t* __restrict__ v, const AdamWRule& rule) {
   const auto g = static_cast<float>(widen(*grad));
   const auto decayed = static_cast<float>(widen(*param)) * rule.decay;
-  const float exp_avg = rule.toward_grad(static_cast<float>(widen(*m)), g);
+  const auto start = static_cast<float>(widen(*m));
+  const float exp_avg = (kFromStart ? start : g) + rule.toward_grad.coefficient * (g - start);
   const float exp_avg_sq = rule.beta2 * static_cast<float>(widen(*v)) + rule.one_minus_beta2 * g * g;
   const float denominator = std::sqrt(exp_avg_sq) / rule.bias2_root + rule.eps;
   store(param, decayed - rule.step_size * exp_avg / denominator);
@@ -48,12 +50,22 @@ C10_ALWAYS_INLINE void step_entry(param_t* __restrict__ param, const grad_t* __r
 
 // `length` entries. The rule is taken by value: through a reference GCC reloads its fields after each store (see
 // muon_momentum_rounded_cpu.cpp).
-template <typename param_t, typename grad_t, typename moment_t>
-MUON_VECTOR_CLONES void step_entries(param_t* __restrict__ param, const grad_t* __restrict__ grad,
-                                     moment_t* __restrict__ m, moment_t* __restrict__ v, int64_t length,
-                                     const AdamWRule rule) {
+template <bool kFromStart, typename param_t, typename grad_t, typename moment_t>
+MUON_VECTOR_CLONES void step_entries_with(param_t* __restrict__ param, const grad_t* __restrict__ grad,
+                                          moment_t* __restrict__ m, moment_t* __restrict__ v, int64_t length,
+                                          const AdamWRule rule) {
   for (int64_t t = 0; t < length; ++t) {
-    step_entry(param + t, grad + t, m + t, v + t, rule);
+    step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule);
+  }
+}
+
+template <typename param_t, typename grad_t, typename moment_t>
+void step_entries(param_t* param, const grad_t* grad, moment_t* m, moment_t* v, int64_t length,
+                  const AdamWRule& rule) {
+  if (rule.toward_grad.from_start) {
+    step_entries_with<true>(param, grad, m, v, length, rule);
+  } else {
+    step_entries_with<false>(param, grad, m, v, length, rule);
   }
 }
 
@@ -62,13 +74,14 @@ MUON_VECTOR_CLONES void step_entries(param_t* __restrict__ param, const grad_t* 
 // of prefetches for each 4 KiB block, in runs where torch's fused AdamW kernel took 24.1-25.2 ms.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// `length` float32 entries that stream from memory: each cache line of the four tensors is prefetched kPrefetchBytes
-// before it is read.
-MUON_VECTOR_CLONES inline void step_streamed_entries(float* __restrict__ param, const float* __restrict__ grad,
-                                                     float* __restrict__ m, float* __restrict__ v, int64_t length,
-                                                     const AdamWRule rule) {
-  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(float));
-  constexpr int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(float));
+// `length` entries of tensors of one dtype that stream from memory: each cache line of the four is prefetched
+// kPrefetchBytes before it is read.
+template <bool kFromStart, typename value_t>
+MUON_VECTOR_CLONES void step_streamed_entries_with(value_t* __restrict__ param, const value_t* __restrict__ grad,
+                                                   value_t* __restrict__ m, value_t* __restrict__ v, int64_t length,
+                                                   const AdamWRule rule) {
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(value_t));
+  constexpr int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(value_t));
   int64_t first = 0;
   for (; first + ahead + line <= length; first += line) {
     __builtin_prefetch(grad + first + ahead);
@@ -76,11 +89,21 @@ MUON_VECTOR_CLONES inline void step_streamed_entries(float* __restrict__ param, 
     __builtin_prefetch(m + first + ahead, 1);
     __builtin_prefetch(v + first + ahead, 1);
     for (int64_t t = first; t < first + line; ++t) {
-      step_entry(param + t, grad + t, m + t, v + t, rule);
+      step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule);
     }
   }
   for (int64_t t = first; t < length; ++t) {
-    step_entry(param + t, grad + t, m + t, v + t, rule);
+    step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule);
+  }
+}
+
+template <typename value_t>
+void step_streamed_entries(value_t* param, const value_t* grad, value_t* m, value_t* v, int64_t length,
+                           const AdamWRule& rule) {
+  if (rule.toward_grad.from_start) {
+    step_streamed_entries_with<true>(param, grad, m, v, length, rule);
+  } else {
+    step_streamed_entries_with<false>(param, grad, m, v, length, rule);
   }
 }
 

@@ -372,13 +372,13 @@ def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:
 
 def _adamw_cpu_(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: float, betas: tuple[float, float],
                 eps: float, weight_decay: float) -> None:
-    """The CPU's AdamW part, whose flags are read for free. float32 parameters whose moments are stored as they are
-    go through the compiled `adamw_checked_` in one call, each gradient (where found_inf is None) checked just before
-    its own update: a check of every gradient first read the embedding's back from memory a whole pass ahead of its
-    update (GPT-2 small's 97 AdamW tensors: 1.21x fused AdamW's time that way, 1.06x-1.10x in one call, 2-core
-    Xeon). The rest (moments stored rounded, 16-bit and float64 parameters, builds without the op) after one check
-    of their gradients: stored rounded, each through `_fused_adamw_one_`; else through torch's fused kernel, once
-    per dtype."""
+    """The CPU's AdamW part, whose flags are read for free. float32 and bfloat16 parameters whose moments are stored as
+    they are go through the compiled `adamw_checked_` in one call, each gradient (where found_inf is None) checked just
+    before its own update: a check of every gradient first read the embedding's back from memory a whole pass ahead of
+    its update (GPT-2 small's 97 AdamW tensors: 1.21x fused AdamW's time that way, 1.06x-1.10x in one call, 2-core
+    Xeon). The rest (moments stored rounded, float16 and float64 parameters, builds without the op) after one check of
+    their gradients: stored rounded, each through `_fused_adamw_one_`; else through torch's fused kernel, once per
+    dtype."""
     settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     compiled = native.has_compiled_adamw_checked("cpu")
     takes = [compiled and _adamw_checked_takes(item) for item in items]
@@ -416,10 +416,11 @@ def _count_skips(items: Sequence[AdamWTensors], skipped: Sequence[float]) -> Non
 
 
 def _adamw_checked_takes(item: AdamWTensors) -> bool:
-    """Whether `adamw_checked_` steps this parameter: float32, with its moments stored as they are (float32) and a
-    float32 step count."""
+    """Whether `adamw_checked_` steps this parameter: float32 or bfloat16, with its moments stored as they are (in
+    its dtype) and a float32 step count."""
     return (item.rounding_count is None and item.step.dtype == torch.float32
-            and item.param.dtype == item.exp_avg.dtype == item.exp_avg_sq.dtype == torch.float32)
+            and item.param.dtype in native.ADAMW_CHECKED_DTYPES
+            and item.exp_avg.dtype == item.exp_avg_sq.dtype == item.param.dtype)
 
 
 def _fused_adamw_taken_(items: Sequence[AdamWTensors], skipped: Sequence[float], *, lr: LearningRate,

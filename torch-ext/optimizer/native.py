@@ -147,14 +147,18 @@ def has_compiled_adamw_checked(device_type: str) -> bool:
     return _eager_op(_ADAMW_CHECKED_OP, device_type) is not None
 
 
+# The parameter dtypes `adamw_checked_` steps (bfloat16 computed in float32, as torch's fused AdamW computes it).
+ADAMW_CHECKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def adamw_checked_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                    exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], found_inf: Tensor | None, *, lr: float,
                    betas: tuple[float, float], eps: float, weight_decay: float) -> Tensor:
-    """torch's fused AdamW step (decoupled weight decay) on float32 parameters whose moments are stored as they are,
-    each parameter's tensors contiguous float32 tensors of one shape, its step count one float32. found_inf:
-    (N,) float32 flags, 1.0 where a parameter is skipped; None: each gradient is checked for NaN and Inf in the same
-    call, just before its parameter's update. Skipped parameters are left as they were; the others' step counts move
-    by one before their update. Returns the flags (written when found_inf was None). Only compiled: callers check
+    """torch's fused AdamW step (decoupled weight decay) on parameters whose moments are stored as they are, each
+    parameter's tensors contiguous, of one shape and one dtype of ADAMW_CHECKED_DTYPES, its step count one float32.
+    found_inf: (N,) float32 flags, 1.0 where a parameter is skipped; None: each gradient is checked for NaN and Inf in
+    the same call, just before its parameter's update. Skipped parameters are left as they were; the others' step counts
+    move by one before their update. Returns the flags (written when found_inf was None). Only compiled: callers check
     `has_compiled_adamw_checked` first."""
     compiled = _required_op(_ADAMW_CHECKED_OP, params[0].device.type if params else None)
     check = found_inf is None
