@@ -39,7 +39,8 @@ void step_checked(const at::Tensor& param, const at::Tensor& grad, const at::Ten
   auto* m = exp_avg.mutable_data_ptr<value_t>();
   auto* v = exp_avg_sq.mutable_data_ptr<value_t>();
   at::parallel_for(0, param.numel(), muon_cpu::kGrainSize, [&](int64_t begin, int64_t end) {
-    muon_cpu::step_streamed_entries(param_data + begin, grad_data + begin, m + begin, v + begin, end - begin, rule);
+    muon_cpu::step_entries</*kStreamed=*/true>(param_data + begin, grad_data + begin, m + begin, v + begin,
+                                                 end - begin, rule);
   });
 }
 

@@ -48,48 +48,30 @@ C10_ALWAYS_INLINE void step_entry(param_t* __restrict__ param, const grad_t* __r
   store(v, exp_avg_sq);
 }
 
-// `length` entries. The rule is taken by value: through a reference GCC reloads its fields after each store (see
-// muon_momentum_rounded_cpu.cpp).
-template <bool kFromStart, typename param_t, typename grad_t, typename moment_t>
+// How far ahead a streamed loop prefetches each stream. A 38M-entry float32 step (2-core Xeon): 21.0 ms at 2 KiB,
+// 21.3 at 1 KiB, 21.4 at 4 KiB, 21.5 at 8 KiB, 22.9 with the hardware's prefetcher alone, 28 with a burst of
+// prefetches for each 4 KiB block, in runs where torch's fused AdamW kernel took 24.1-25.2 ms.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// `length` entries. kStreamed: the four tensors stream from memory (not a block's buffers in cache), and each cache
+// line of them is prefetched kPrefetchBytes before it is read. The rule is taken by value: through a reference GCC
+// reloads its fields after each store (see muon_momentum_rounded_cpu.cpp).
+template <bool kFromStart, bool kStreamed, typename param_t, typename grad_t, typename moment_t>
 MUON_VECTOR_CLONES void step_entries_with(param_t* __restrict__ param, const grad_t* __restrict__ grad,
                                           moment_t* __restrict__ m, moment_t* __restrict__ v, int64_t length,
                                           const AdamWRule rule) {
-  for (int64_t t = 0; t < length; ++t) {
-    step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule);
-  }
-}
-
-template <typename param_t, typename grad_t, typename moment_t>
-void step_entries(param_t* param, const grad_t* grad, moment_t* m, moment_t* v, int64_t length,
-                  const AdamWRule& rule) {
-  if (rule.toward_grad.from_start) {
-    step_entries_with<true>(param, grad, m, v, length, rule);
-  } else {
-    step_entries_with<false>(param, grad, m, v, length, rule);
-  }
-}
-
-// How far ahead step_streamed_entries prefetches each stream. A 38M-entry float32 step (2-core Xeon): 21.0 ms at
-// 2 KiB, 21.3 at 1 KiB, 21.4 at 4 KiB, 21.5 at 8 KiB, 22.9 with the hardware's prefetcher alone, 28 with a burst
-// of prefetches for each 4 KiB block, in runs where torch's fused AdamW kernel took 24.1-25.2 ms.
-constexpr int64_t kPrefetchBytes = 2048;
-
-// `length` entries of tensors of one dtype that stream from memory: each cache line of the four is prefetched
-// kPrefetchBytes before it is read.
-template <bool kFromStart, typename value_t>
-MUON_VECTOR_CLONES void step_streamed_entries_with(value_t* __restrict__ param, const value_t* __restrict__ grad,
-                                                   value_t* __restrict__ m, value_t* __restrict__ v, int64_t length,
-                                                   const AdamWRule rule) {
-  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(value_t));
-  constexpr int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(value_t));
   int64_t first = 0;
-  for (; first + ahead + line <= length; first += line) {
-    __builtin_prefetch(grad + first + ahead);
-    __builtin_prefetch(param + first + ahead, 1);
-    __builtin_prefetch(m + first + ahead, 1);
-    __builtin_prefetch(v + first + ahead, 1);
-    for (int64_t t = first; t < first + line; ++t) {
-      step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule);
+  if constexpr (kStreamed) {
+    constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(param_t));
+    constexpr int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(param_t));
+    for (; first + ahead + line <= length; first += line) {
+      __builtin_prefetch(grad + first + ahead);
+      __builtin_prefetch(param + first + ahead, 1);
+      __builtin_prefetch(m + first + ahead, 1);
+      __builtin_prefetch(v + first + ahead, 1);
+      for (int64_t t = first; t < first + line; ++t) {
+        step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule);
+      }
     }
   }
   for (int64_t t = first; t < length; ++t) {
@@ -97,13 +79,14 @@ MUON_VECTOR_CLONES void step_streamed_entries_with(value_t* __restrict__ param, 
   }
 }
 
-template <typename value_t>
-void step_streamed_entries(value_t* param, const value_t* grad, value_t* m, value_t* v, int64_t length,
-                           const AdamWRule& rule) {
+// step_entries_with, its lerp formula picked once for the call.
+template <bool kStreamed = false, typename param_t, typename grad_t, typename moment_t>
+void step_entries(param_t* param, const grad_t* grad, moment_t* m, moment_t* v, int64_t length,
+                  const AdamWRule& rule) {
   if (rule.toward_grad.from_start) {
-    step_streamed_entries_with<true>(param, grad, m, v, length, rule);
+    step_entries_with<true, kStreamed>(param, grad, m, v, length, rule);
   } else {
-    step_streamed_entries_with<false>(param, grad, m, v, length, rule);
+    step_entries_with<false, kStreamed>(param, grad, m, v, length, rule);
   }
 }
 
