@@ -4,6 +4,7 @@
 // (`adamw_rounded_`).
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "momentum_math_cpu.h"
 #include "vector_clones.h"
@@ -62,6 +63,8 @@ MUON_VECTOR_CLONES void step_entries_with(param_t* __restrict__ param, const gra
                                           const AdamWRule rule) {
   int64_t first = 0;
   if constexpr (kStreamed) {
+    static_assert(std::is_same_v<param_t, grad_t> && std::is_same_v<param_t, moment_t>,
+                  "a streamed loop's four tensors share one dtype, so one line size serves all four");
     constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(param_t));
     constexpr int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(param_t));
     for (; first + ahead + line <= length; first += line) {
