@@ -360,22 +360,25 @@ void check_normalization_args(const char* op, at::TensorList updates, at::Tensor
 }
 
 void check_normalize_elements_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
-                                   const at::Tensor& corrections) {
-  check_normalization_args("normalize_elements_", updates, moments, decays, corrections);
+                                   const at::Tensor& corrections, const at::Tensor& squares) {
+  const char* op = "normalize_elements_";
+  check_normalization_args(op, updates, moments, decays, corrections);
+  check_host_factors(op, "squares", squares, static_cast<int64_t>(updates.size()));
   for (size_t i = 0; i < updates.size(); ++i) {
-    for (const auto& [name, tensor] : {std::pair{"updates", updates[i]}, std::pair{"moments", moments[i]}}) {
-      TORCH_CHECK_VALUE(tensor.is_contiguous(), "normalize_elements_: ", name, "[", i, "] must be contiguous");
-    }
-    TORCH_CHECK_VALUE(moments[i].sizes() == updates[i].sizes(), "normalize_elements_: moments[", i, "] has shape ",
+    TORCH_CHECK_VALUE(is_contiguous_or_transposed(updates[i]), op, ": updates[", i,
+                      "] must be contiguous or the transpose of a contiguous tensor (its last two dims swapped)");
+    TORCH_CHECK_VALUE(moments[i].is_contiguous(), op, ": moments[", i, "] must be contiguous");
+    TORCH_CHECK_VALUE(moments[i].sizes() == updates[i].sizes(), op, ": moments[", i, "] has shape ",
                       moments[i].sizes(), " but updates[", i, "] has shape ", updates[i].sizes());
   }
 }
 
 template <NormalizeElementsImpl impl>
 void checked_normalize_elements(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
-                                const at::Tensor& corrections, double one_minus_beta, double eps) {
-  check_normalize_elements_args(updates, moments, decays, corrections);
-  impl(updates, moments, decays, corrections, one_minus_beta, eps);
+                                const at::Tensor& corrections, double one_minus_beta, double eps,
+                                const at::Tensor& squares) {
+  check_normalize_elements_args(updates, moments, decays, corrections, squares);
+  impl(updates, moments, decays, corrections, one_minus_beta, eps, squares);
 }
 
 void check_normalize_rows_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
@@ -530,10 +533,11 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "adamw_checked_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] steps, Tensor(e!) found_inf, bool check, float lr, float beta1, float beta2, float eps, "
       "float weight_decay) -> ()");
-  // AdaMuon's per-entry second moment and division, in place (see torch_binding.h).
+  // AdaMuon's per-entry second moment and division, in place, with the result's sum of squares (see
+  // torch_binding.h).
   ops.def(
       "normalize_elements_(Tensor(a!)[] updates, Tensor(b!)[] moments, Tensor decays, Tensor corrections, "
-      "float one_minus_beta, float eps) -> ()");
+      "float one_minus_beta, float eps, Tensor(c!) squares) -> ()");
   // NorMuon's per-row second moment and division, in place, with the result's sum of squares (see torch_binding.h).
   ops.def(
       "normalize_rows_(Tensor(a!)[] updates, Tensor(b!)[] moments, Tensor decays, Tensor corrections, "

@@ -100,13 +100,17 @@ void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::T
                       const at::Tensor& step_sizes);
 
 // AdaMuon's normalization of each entry, in place: moments[i] <- moments[i] * decays[i] + one_minus_beta * u²,
-// then updates[i] <- u / (sqrt(moments[i] / corrections[i]) + eps), with u = updates[i]'s entry (decays and
-// corrections: float64, one per tensor, on the host; moments float32 or float64, contiguous, of the updates' shapes).
+// then updates[i] <- u / (sqrt(moments[i] / corrections[i]) + eps), with u = updates[i]'s entry; squares[i] <- the
+// sum of squares of the stored result. updates[i] is contiguous or (..., rows, cols) stored as the transpose of a
+// contiguous tensor; moments[i] float32 or float64, contiguous, of the update's shape; decays, corrections and squares
+// float64, one per tensor, on the host.
 using NormalizeElementsImpl = void (*)(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
-                                       const at::Tensor& corrections, double one_minus_beta, double eps);
+                                       const at::Tensor& corrections, double one_minus_beta, double eps,
+                                       const at::Tensor& squares);
 
 void normalize_elements_cpu(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
-                            const at::Tensor& corrections, double one_minus_beta, double eps);
+                            const at::Tensor& corrections, double one_minus_beta, double eps,
+                            const at::Tensor& squares);
 
 // NorMuon's normalization of each row (output neuron), in place: with s the sum of a row's squares and n its length,
 // the row's moment <- moment * decays[i] + one_minus_beta * s / n, then the row <- row / (sqrt(moment /

@@ -49,11 +49,6 @@ C10_ALWAYS_INLINE void step_entry(param_t* __restrict__ param, const grad_t* __r
   store(v, exp_avg_sq);
 }
 
-// How far ahead a streamed loop prefetches each stream. A 38M-entry float32 step (2-core Xeon): 21.0 ms at 2 KiB,
-// 21.3 at 1 KiB, 21.4 at 4 KiB, 21.5 at 8 KiB, 22.9 with the hardware's prefetcher alone, 28 with a burst of
-// prefetches for each 4 KiB block, in runs where torch's fused AdamW kernel took 24.1-25.2 ms.
-constexpr int64_t kPrefetchBytes = 2048;
-
 // `length` entries. kStreamed: the four tensors stream from memory (not a block's buffers in cache), and each cache
 // line of them is prefetched kPrefetchBytes before it is read. The rule is taken by value: through a reference GCC
 // reloads its fields after each store (see muon_momentum_rounded_cpu.cpp).

@@ -2,7 +2,6 @@
 // pass, the update's dtype converted on the fly, and a transposed update read tile by tile. torch's CPU add_ first
 // copies an update of another dtype to the parameter's (a bfloat16 update to a float32 parameter: a fresh float32
 // copy, faulted in, for each matrix).
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -20,7 +19,7 @@ namespace {
 
 using muon_cpu::kGrainSize;
 using muon_cpu::store;
-using muon_cpu::transpose8;
+using muon_cpu::kTile;
 
 // param <- param * decay, rounded to its dtype, then <- param + step * update, rounded again: what `mul_` then
 // `add_(update, alpha=step)` compute, the second with one fused multiply-add as torch's vectorized add does. Written
@@ -36,55 +35,34 @@ MUON_VECTOR_CLONES void apply_range(param_t* __restrict__ param, const update_t*
   }
 }
 
-// Tiles of a transposed update (a tall matrix's Newton-Schulz result, computed on its transpose): read along its
-// own rows into a float tile, then applied along the parameter's rows, so both sides stream through memory. A
-// 3072 x 768 bf16 update took 1.5 ms to copy into the parameter's layout, then 0.7 to add (2-core Xeon).
-constexpr int64_t kTile = 64;
-
-struct TransposedTiles {
-  int64_t rows;  // of the parameter's matrices; the update holds each matrix as (cols, rows), contiguous
-  int64_t cols;
-  int64_t row_tiles;
-  int64_t col_tiles;
-
-  TransposedTiles(int64_t rows, int64_t cols)
-      : rows(rows), cols(cols), row_tiles((rows + kTile - 1) / kTile), col_tiles((cols + kTile - 1) / kTile) {}
-
-  int64_t per_matrix() const { return row_tiles * col_tiles; }
-};
-
-// The tile is converted along the update's rows, transposed in 8 x 8 blocks, then applied along the parameter's
-// rows: element by element, the transposing stores kept the tile loop scalar (a (12, 3072, 768) bucket's update
-// took 21 ms, 14 ms this way). A partial tile at an edge is padded with zeros, which are moved but never applied.
+// A tile of a transposed update is converted along the update's rows, transposed in 8 x 8 blocks, then applied along
+// the parameter's rows: element by element, the transposing stores kept the tile loop scalar (a (12, 3072, 768)
+// bucket's update took 21 ms, 14 ms this way; copying a 3072 x 768 bf16 update into the parameter's layout took
+// 1.5 ms, then 0.7 to add, 2-core Xeon). A partial tile at an edge is padded with zeros, which are moved but never
+// applied.
 template <typename param_t, typename update_t>
-MUON_VECTOR_CLONES void apply_transposed_tile(param_t* param, const update_t* update, const TransposedTiles& tiles,
-                                              int64_t tile, at::opmath_type<param_t> decay,
-                                              at::opmath_type<param_t> step) {
+MUON_VECTOR_CLONES void apply_transposed_tile(param_t* param, const update_t* update,
+                                              const muon_cpu::TransposedTiles& tiles, int64_t tile,
+                                              at::opmath_type<param_t> decay, at::opmath_type<param_t> step) {
   using opmath_t = at::opmath_type<param_t>;
-  const int64_t matrix = tile / tiles.per_matrix(), within = tile % tiles.per_matrix();
-  const int64_t first_row = within / tiles.col_tiles * kTile, first_col = within % tiles.col_tiles * kTile;
-  const int64_t row_count = std::min(kTile, tiles.rows - first_row);
-  const int64_t col_count = std::min(kTile, tiles.cols - first_col);
-  param += matrix * tiles.rows * tiles.cols;
-  update += matrix * tiles.rows * tiles.cols;
+  const muon_cpu::TilePlace place(tiles, tile);
+  param += place.matrix_offset;
+  update += place.matrix_offset;
   alignas(64) opmath_t read[kTile][kTile];  // [col][row]: the update's layout
-  if (row_count < kTile || col_count < kTile) {
+  if (place.partial()) {
     std::memset(read, 0, sizeof(read));
   }
-  for (int64_t col = 0; col < col_count; ++col) {
-    const update_t* source = update + (first_col + col) * tiles.rows + first_row;
-    for (int64_t row = 0; row < row_count; ++row) {
+  for (int64_t col = 0; col < place.col_count; ++col) {
+    const update_t* source = update + (place.first_col + col) * tiles.rows + place.first_row;
+    for (int64_t row = 0; row < place.row_count; ++row) {
       read[col][row] = static_cast<opmath_t>(muon_cpu::widen(source[row]));
     }
   }
   alignas(64) opmath_t values[kTile][kTile];  // [row][col]: the parameter's
-  for (int64_t col = 0; col < kTile; col += 8) {
-    for (int64_t row = 0; row < kTile; row += 8) {
-      transpose8(&read[col][row], kTile, &values[row][col], kTile);
-    }
-  }
-  for (int64_t row = 0; row < row_count; ++row) {
-    apply_range(param + (first_row + row) * tiles.cols + first_col, values[row], col_count, decay, step);
+  muon_cpu::transpose_tile(read, values);
+  for (int64_t row = 0; row < place.row_count; ++row) {
+    apply_range(param + (place.first_row + row) * tiles.cols + place.first_col, values[row], place.col_count, decay,
+                step);
   }
 }
 
@@ -109,7 +87,7 @@ void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::T
           });
           return;
         }
-        const TransposedTiles tiles(params[i].size(-2), params[i].size(-1));
+        const muon_cpu::TransposedTiles tiles(params[i].size(-2), params[i].size(-1));
         const int64_t matrices = params[i].numel() / (tiles.rows * tiles.cols);
         at::parallel_for(0, matrices * tiles.per_matrix(), kGrainSize / (kTile * kTile), [&](int64_t begin,
                                                                                              int64_t end) {

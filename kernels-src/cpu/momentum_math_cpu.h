@@ -1,6 +1,6 @@
 #pragma once
-// The element math the CPU momentum and update kernels share: torch.lerp's formula, and the loads and stores that
-// widen from and round to a dtype.
+// The element math the CPU momentum and update kernels share: torch.lerp's formula, the loads and stores that widen
+// from and round to a dtype, and how far ahead a loop streaming from memory prefetches.
 #include <cstdint>
 
 #include <ATen/OpMathType.h>
@@ -9,6 +9,12 @@
 #include <c10/macros/Macros.h>
 
 namespace muon_cpu {
+
+// How far ahead a streamed loop prefetches each stream. A 38M-entry float32 AdamW step (2-core Xeon): 21.0 ms at
+// 2 KiB, 21.3 at 1 KiB, 21.4 at 4 KiB, 21.5 at 8 KiB, 22.9 with the hardware's prefetcher alone, 28 with a burst of
+// prefetches for each 4 KiB block, in runs where torch's fused AdamW kernel took 24.1-25.2 ms. AdaMuon's
+// normalization of a (12, 3072, 768) bf16 update: 8.7 ms at 2 KiB, 9.4 at 1 KiB, 8.9 at 4 KiB.
+constexpr int64_t kPrefetchBytes = 2048;
 
 // torch.lerp's formula, weight < 0.5 ? start + weight * (end - start) : end - (end - start) * (1 - weight), with
 // the weight rounded to opmath_t first as torch does (for weight in [0.5, 1], 1 - weight and weight - 1 are both

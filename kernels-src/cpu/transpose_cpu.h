@@ -1,8 +1,10 @@
 #pragma once
-// An 8 x 8 block transposed in registers: what the CPU kernels that read one matrix's rows as another's columns share
-// (the update of a tall matrix, stored transposed; the mirrored triangle of a symmetric product).
+// Transposition in registers, and the tiles it moves: what the CPU kernels that read one matrix's rows as another's
+// columns share (the update of a tall matrix, stored transposed; the mirrored triangle of a symmetric product).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <c10/macros/Macros.h>
 
@@ -39,6 +41,57 @@ C10_ALWAYS_INLINE void transpose8(const value_t* source, int64_t source_stride, 
     const lanes_t high = __builtin_shufflevector(z[h], z[h + 4], 4, 5, 6, 7, 12, 13, 14, 15);
     std::memcpy(target + kRowOf[h] * target_stride, &low, sizeof(lanes_t));
     std::memcpy(target + kRowOf[h + 4] * target_stride, &high, sizeof(lanes_t));
+  }
+}
+
+// Tiles of a matrix stored transposed (a tall matrix's Newton-Schulz result, computed on its transpose), which the
+// kernels read along the stored rows, transpose in registers, and use along the parameter's rows, so that both sides
+// stream through memory.
+constexpr int64_t kTile = 64;
+
+struct TransposedTiles {
+  int64_t rows;  // of the parameter's matrices; the update holds each matrix as (cols, rows), contiguous
+  int64_t cols;
+  int64_t row_tiles;
+  int64_t col_tiles;
+
+  TransposedTiles(int64_t rows, int64_t cols)
+      : rows(rows), cols(cols), row_tiles((rows + kTile - 1) / kTile), col_tiles((cols + kTile - 1) / kTile) {}
+
+  int64_t per_matrix() const { return row_tiles * col_tiles; }
+};
+
+// Where tile number `tile` (counted over every matrix of the stack, row tiles outer) starts, and how much of it lies
+// inside its matrix.
+struct TilePlace {
+  int64_t matrix_offset;  // of its matrix, in entries
+  int64_t first_row;
+  int64_t first_col;
+  int64_t row_count;
+  int64_t col_count;
+
+  TilePlace(const TransposedTiles& tiles, int64_t tile)
+      : matrix_offset(tile / tiles.per_matrix() * tiles.rows * tiles.cols),
+        first_row(tile % tiles.per_matrix() / tiles.col_tiles * kTile),
+        first_col(tile % tiles.per_matrix() % tiles.col_tiles * kTile),
+        row_count(std::min(kTile, tiles.rows - first_row)),
+        col_count(std::min(kTile, tiles.cols - first_col)) {}
+
+  bool partial() const { return row_count < kTile || col_count < kTile; }
+};
+
+// A kTile x kTile block transposed, 8 x 8 at a time; entries moved as raw bits of their width, so any dtype (the
+// 16-bit ones are structs, which vector extensions do not take) shares one transposition.
+template <typename value_t>
+C10_ALWAYS_INLINE void transpose_tile(const value_t (&source)[kTile][kTile], value_t (&target)[kTile][kTile]) {
+  using bits_t = std::conditional_t<sizeof(value_t) == 2, uint16_t,
+                                    std::conditional_t<sizeof(value_t) == 4, uint32_t, uint64_t>>;
+  const auto* from = reinterpret_cast<const bits_t*>(&source[0][0]);
+  auto* to = reinterpret_cast<bits_t*>(&target[0][0]);
+  for (int64_t i = 0; i < kTile; i += 8) {
+    for (int64_t j = 0; j < kTile; j += 8) {
+      transpose8(from + i * kTile + j, kTile, to + j * kTile + i, kTile);
+    }
   }
 }
 

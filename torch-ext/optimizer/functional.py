@@ -244,10 +244,6 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
         rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
         totals = None
         if normalization is not None:
-            if device.type == "cpu" and normalization == "element":
-                # A tall bucket's results are transposed views, which AdaMuon's compiled pass takes only as
-                # contiguous copies (the composition over the views ran 1.12x slower, paired, GPT-2-small step).
-                updates = [update.contiguous() for update in updates]
             updates, totals = normalize(updates, None, [item.second_moment for item in round_items],
                                         [item.update_step for item in round_items], skipped,
                                         [item.view for item in round_items], normalization, normalization_beta,

@@ -175,15 +175,15 @@ def has_compiled_normalize_elements(device_type: str) -> bool:
 
 
 def normalize_elements_(updates: Sequence[Tensor], moments: Sequence[Tensor], decays: Tensor, corrections: Tensor,
-                        one_minus_beta: float, eps: float) -> None:
+                        one_minus_beta: float, eps: float) -> Tensor:
     """AdaMuon's normalization in place, one pass per tensor: moments[i] <- moments[i] * decays[i] +
     one_minus_beta * u², then updates[i] <- u / (sqrt(moments[i] / corrections[i]) + eps), u each entry of
-    updates[i], with the roundings of that composition of torch ops. `decays`, `corrections`: one value per tensor
-    (sent to the host as float64); updates and moments (float32 or float64) contiguous, of equal shapes. Only
-    compiled: callers check `has_compiled_normalize_elements` first."""
-    compiled = _required_op(_NORMALIZE_ELEMENTS_OP, updates[0].device.type if updates else None)
-    compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
-             one_minus_beta, eps)
+    updates[i], with the roundings of that composition of torch ops. updates[i] contiguous or the transpose of a
+    contiguous tensor (a tall matrix's Newton-Schulz result); moments[i] (float32 or float64) contiguous, of its
+    update's shape. `decays`, `corrections`: one value per tensor (sent to the host as float64). Returns each
+    normalized update's sum of squares (float64, on the CPU), which the RMS rule scales by. Only compiled: callers
+    check `has_compiled_normalize_elements` first."""
+    return _normalized_in_place(_NORMALIZE_ELEMENTS_OP, updates, moments, decays, corrections, one_minus_beta, eps)
 
 
 def has_compiled_normalize_rows(device_type: str) -> bool:
@@ -201,7 +201,13 @@ def normalize_rows_(updates: Sequence[Tensor], moments: Sequence[Tensor], decays
     contiguous, one entry per row. `decays`, `corrections`: one value per tensor (sent to the host as float64).
     Returns each normalized update's sum of squares (float64, on the CPU), which the RMS rule scales by. Only
     compiled: callers check `has_compiled_normalize_rows` first."""
-    compiled = _required_op(_NORMALIZE_ROWS_OP, updates[0].device.type if updates else None)
+    return _normalized_in_place(_NORMALIZE_ROWS_OP, updates, moments, decays, corrections, one_minus_beta, eps)
+
+
+def _normalized_in_place(op_name: str, updates: Sequence[Tensor], moments: Sequence[Tensor], decays: Tensor,
+                         corrections: Tensor, one_minus_beta: float, eps: float) -> Tensor:
+    """Runs a compiled normalization op; returns the sums of squares it wrote."""
+    compiled = _required_op(op_name, updates[0].device.type if updates else None)
     squares = torch.empty(len(updates), dtype=torch.float64)
     compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
              one_minus_beta, eps, squares)

@@ -9,7 +9,7 @@ has RMS 0.2, as both papers do; other lr scalings use the bias-corrected moment 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -58,12 +58,13 @@ def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
     moved toward the mean of its squares (per row for "neuron", per entry for "element"), in place, with its step
     count. A skipped parameter (its `skipped` entry True) has an all-zero update: its v decays by 1 and gains 0, so it
     and its step stay exactly as they were. Returns the normalized updates and, with `sums_of_squares`, each one's
-    ‖U‖² as an (N,) tensor (what the RMS rule scales by), else None.
+    ‖U‖² as an (N,) float64 tensor (what the RMS rule scales by), else None: float64 whichever pass ran, since the ranks
+    of a distributed step add their shards' sums in one all-reduce, and the shards of one parameter may differ in
+    layout (one rank's compiled pass, another's composition).
 
     `row_sums` ("neuron" only): whole rows' sums from `row_squares`, for updates that are shards of their rows; None
-    where every update holds whole rows (then "element" too). On the CPU the compiled passes serve where they can:
-    `normalize_rows_` ("neuron", row_sums None, whole matrices, straight or transposed) and `normalize_elements_`
-    ("element", contiguous updates), in place. The composition below took ~300 ms of NorMuon's and ~430 ms of
+    where every update holds whole rows (then "element" too). On the CPU the compiled passes serve where they can (see
+    `_compiled_pass`), in place. The composition below took ~300 ms of NorMuon's and ~430 ms of
     AdaMuon's GPT-2-small step (2-core Xeon), its ops of mixed dtypes each converting an input through a copy."""
     dtype = second_moments[0].dtype
     decays = torch.full(skipped.shape, beta, dtype=dtype, device=skipped.device).masked_fill_(skipped, 1.0)
@@ -71,17 +72,34 @@ def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
     # clamped for a parameter every step of which was skipped: its v is 0, and 0 / eps = 0
     corrections = ([(1.0 - torch.pow(beta, step.to(dtype))).clamp(min=1.0 - beta) for step in steps]
                    if bias_correction else None)
-    if normalization == "neuron" and row_sums is None and _normalizes_rows_in_place(updates, second_moments, views):
-        totals = native.normalize_rows_(updates, second_moments, decays, _stacked(corrections, decays), 1.0 - beta,
-                                        eps)
+    compiled = _compiled_pass(updates, row_sums, second_moments, views, normalization)
+    if compiled is not None:
+        totals = compiled(updates, second_moments, decays, _stacked(corrections, decays), 1.0 - beta, eps)
         return list(updates), totals if sums_of_squares else None
-    if normalization == "element" and _normalizes_in_place(updates, second_moments):
-        native.normalize_elements_(updates, second_moments, decays, _stacked(corrections, decays), 1.0 - beta, eps)
-        normalized = list(updates)
-    else:
-        normalized = _composed(updates, row_sums, second_moments, decays, corrections, views, normalization, beta,
-                               eps)
-    return normalized, torch.stack([sum_of_squares(update) for update in normalized]) if sums_of_squares else None
+    normalized = _composed(updates, row_sums, second_moments, decays, corrections, views, normalization, beta, eps)
+    if not sums_of_squares:
+        return normalized, None
+    return normalized, torch.stack([sum_of_squares(update) for update in normalized]).to(torch.float64)
+
+
+def _compiled_pass(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, moments: Sequence[Tensor],
+                   views: Sequence[MatrixView], normalization: str) -> Callable[..., Tensor] | None:
+    """The compiled op that takes these updates whole, in place, on their device, or None: `normalize_rows_` for
+    whole matrices' rows ("neuron", row_sums None), `normalize_elements_` ("element"); both read an update
+    contiguous or stored transposed (a tall matrix's Newton-Schulz result), its moment contiguous."""
+    if not updates or not all(native.is_contiguous_or_transposed(update) and moment.is_contiguous()
+                              for update, moment in zip(updates, moments)):
+        return None
+    device_type = updates[0].device.type
+    if (normalization == "neuron" and row_sums is None and native.has_compiled_normalize_rows(device_type)
+            and all(view.row_dim == update.ndim - 2 and view.column_dims == (update.ndim - 1,)
+                    and moment.numel() * view.cols == update.numel()
+                    for update, moment, view in zip(updates, moments, views))):
+        return native.normalize_rows_
+    if (normalization == "element" and native.has_compiled_normalize_elements(device_type)
+            and all(update.shape == moment.shape for update, moment in zip(updates, moments))):
+        return native.normalize_elements_
+    return None
 
 
 def _stacked(corrections: Sequence[Tensor] | None, decays: Tensor) -> Tensor:
@@ -108,23 +126,6 @@ def _composed(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
             moment = moment / corrections[index]
         normalized.append((update.to(dtype) / moment.sqrt().add_(eps)).to(update.dtype))
     return normalized
-
-
-def _normalizes_rows_in_place(updates: Sequence[Tensor], moments: Sequence[Tensor],
-                              views: Sequence[MatrixView]) -> bool:
-    """Whether `normalize_rows_` takes these updates: whole matrices (rows along the next-to-last dim), laid out
-    straight or transposed, on a device it is compiled for."""
-    return (bool(updates) and native.has_compiled_normalize_rows(updates[0].device.type)
-            and all(view.row_dim == update.ndim - 2 and view.column_dims == (update.ndim - 1,)
-                    and native.is_contiguous_or_transposed(update) and moment.is_contiguous()
-                    and moment.numel() * view.cols == update.numel()
-                    for update, moment, view in zip(updates, moments, views)))
-
-
-def _normalizes_in_place(updates: Sequence[Tensor], moments: Sequence[Tensor]) -> bool:
-    return (bool(updates) and native.has_compiled_normalize_elements(updates[0].device.type)
-            and all(update.is_contiguous() and moment.is_contiguous() and update.shape == moment.shape
-                    for update, moment in zip(updates, moments)))
 
 
 def rms_rule_scale(sum_of_squares: Tensor, view: MatrixView, eps: float) -> Tensor:
