@@ -4,7 +4,6 @@
 // (`adamw_rounded_`).
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "momentum_math_cpu.h"
 #include "vector_clones.h"
@@ -49,31 +48,18 @@ C10_ALWAYS_INLINE void step_entry(param_t* __restrict__ param, const grad_t* __r
   store(v, exp_avg_sq);
 }
 
-// `length` entries. kStreamed: the four tensors stream from memory (not a block's buffers in cache), and each cache
-// line of them is prefetched kPrefetchBytes before it is read. The rule is taken by value: through a reference GCC
+// `length` entries. kStreamed: the four tensors stream from memory (not a block's buffers in cache), and each is
+// prefetched ahead of its reads (see for_each_prefetched). The rule is taken by value: through a reference GCC
 // reloads its fields after each store (see muon_momentum_rounded_cpu.cpp).
 template <bool kFromStart, bool kStreamed, typename param_t, typename grad_t, typename moment_t>
 MUON_VECTOR_CLONES void step_entries_with(param_t* __restrict__ param, const grad_t* __restrict__ grad,
                                           moment_t* __restrict__ m, moment_t* __restrict__ v, int64_t length,
                                           const AdamWRule rule) {
-  int64_t first = 0;
+  const auto step = [&](int64_t t) { step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule); };
   if constexpr (kStreamed) {
-    static_assert(std::is_same_v<param_t, grad_t> && std::is_same_v<param_t, moment_t>,
-                  "a streamed loop's four tensors share one dtype, so one line size serves all four");
-    constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(param_t));
-    constexpr int64_t ahead = kPrefetchBytes / static_cast<int64_t>(sizeof(param_t));
-    for (; first + ahead + line <= length; first += line) {
-      __builtin_prefetch(grad + first + ahead);
-      __builtin_prefetch(param + first + ahead, 1);
-      __builtin_prefetch(m + first + ahead, 1);
-      __builtin_prefetch(v + first + ahead, 1);
-      for (int64_t t = first; t < first + line; ++t) {
-        step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule);
-      }
-    }
-  }
-  for (int64_t t = first; t < length; ++t) {
-    step_entry<kFromStart>(param + t, grad + t, m + t, v + t, rule);
+    for_each_prefetched<param_t>(length, step, grad, param, m, v);
+  } else {
+    for (int64_t t = 0; t < length; ++t) step(t);
   }
 }
 

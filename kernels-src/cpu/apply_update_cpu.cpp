@@ -25,13 +25,19 @@ using muon_cpu::kTile;
 // `add_(update, alpha=step)` compute, the second with one fused multiply-add as torch's vectorized add does. Written
 // as std::fma, not left to contraction, which could as well fuse the decay's product and skip its rounding; the
 // x86-64-v3 clone vectorizes it, the baseline clone calls libm's (CPUs without FMA units, from before 2013).
-template <typename param_t, typename update_t>
+// kStreamed: both stream from memory (not a tile of the update in cache), and are prefetched ahead of their reads.
+template <bool kStreamed, typename param_t, typename update_t>
 MUON_VECTOR_CLONES void apply_range(param_t* __restrict__ param, const update_t* __restrict__ update, int64_t count,
                                     at::opmath_type<param_t> decay, at::opmath_type<param_t> step) {
   using opmath_t = at::opmath_type<param_t>;
-  for (int64_t j = 0; j < count; ++j) {
+  const auto apply = [&](int64_t j) {
     const opmath_t decayed = store(param + j, static_cast<opmath_t>(param[j]) * decay);
     store(param + j, std::fma(step, static_cast<opmath_t>(muon_cpu::widen(update[j])), decayed));
+  };
+  if constexpr (kStreamed) {
+    muon_cpu::for_each_prefetched<param_t>(count, apply, update, param);
+  } else {
+    for (int64_t j = 0; j < count; ++j) apply(j);
   }
 }
 
@@ -61,7 +67,7 @@ MUON_VECTOR_CLONES void apply_transposed_tile(param_t* param, const update_t* up
   alignas(64) opmath_t values[kTile][kTile];  // [row][col]: the parameter's
   muon_cpu::transpose_tile(read, values);
   for (int64_t row = 0; row < place.row_count; ++row) {
-    apply_range(param + (place.first_row + row) * tiles.cols + place.first_col, values[row], place.col_count, decay,
+    apply_range<false>(param + (place.first_row + row) * tiles.cols + place.first_col, values[row], place.col_count, decay,
                 step);
   }
 }
@@ -83,7 +89,7 @@ void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::T
         const auto* update = updates[i].const_data_ptr<scalar_t>();
         if (updates[i].is_contiguous()) {
           at::parallel_for(0, params[i].numel(), kGrainSize, [&](int64_t begin, int64_t end) {
-            apply_range(param + begin, update + begin, end - begin, factor, step);
+            apply_range<true>(param + begin, update + begin, end - begin, factor, step);
           });
           return;
         }

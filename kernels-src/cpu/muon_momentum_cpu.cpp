@@ -21,11 +21,12 @@ MUON_VECTOR_CLONES void update_range(value_t* __restrict__ buffer, const value_t
                                      Lerp<at::opmath_type<value_t>> toward_grad,
                                      Lerp<at::opmath_type<value_t>> toward_buffer) {
   using opmath_t = at::opmath_type<value_t>;
-  for (int64_t j = 0; j < count; ++j) {
+  const auto step = [&](int64_t j) {
     const opmath_t g = static_cast<opmath_t>(grad[j]);
     const opmath_t stored = store(buffer + j, toward_grad(static_cast<opmath_t>(buffer[j]), g));
     store(update + j, static_cast<at::opmath_type<update_t>>(nesterov ? toward_buffer(g, stored) : stored));
-  }
+  };
+  muon_cpu::for_each_prefetched<value_t>(count, step, grad, buffer, update);
 }
 
 template <typename value_t, typename update_t, bool nesterov>
