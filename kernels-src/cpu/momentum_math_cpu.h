@@ -17,6 +17,17 @@ namespace muon_cpu {
 // alone; Muon's momentum step into it from float32: 14.6 ms against 17.7; the update's last write: 6.8 against 7.5.
 constexpr int64_t kPrefetchBytes = 2048;
 
+// `count` entries from `values` on asked for, for writing where kWrite: a block loop's call for the block
+// kPrefetchBytes or so ahead. Its streams are read in runs of a block, between which the hardware's prefetchers lose
+// them (Muon's momentum step on 12 3072 x 768 matrices with bf16 / int8 state: 15.7 / 21.1 ms against 25.8 / 23.8).
+template <bool kWrite, typename value_t>
+C10_ALWAYS_INLINE void prefetch_entries(const value_t* values, int64_t count) {
+  const auto* bytes = reinterpret_cast<const char*>(values);
+  for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(value_t)); byte += 64) {
+    __builtin_prefetch(bytes + byte, kWrite);
+  }
+}
+
 // entry(j) for each j in [0, count), the stream it reads and the streams it writes prefetched kPrefetchBytes ahead,
 // once per cache line of line_t (the widest of their dtypes: a narrower stream's line is asked for more than once,
 // which costs little). The tail, within kPrefetchBytes of the end, runs without.

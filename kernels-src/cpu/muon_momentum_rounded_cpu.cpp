@@ -41,6 +41,18 @@ struct StepRule {
 
 };
 
+// Blocks ahead that a block's streams are prefetched: kPrefetchBytes of a float32 gradient.
+constexpr int64_t kAheadBlocks = muon_cpu::kPrefetchBytes / (kRoundedBlock * static_cast<int64_t>(sizeof(float)));
+
+// The streams of entries [first, first + count), before a block loop reaches them (see prefetch_entries).
+template <typename stored_t, typename grad_t, typename update_t>
+C10_ALWAYS_INLINE void prefetch_block(const stored_t* stored, const grad_t* grad, const update_t* update, int64_t first,
+                                      int64_t count) {
+  muon_cpu::prefetch_entries<true>(stored + first, count);
+  muon_cpu::prefetch_entries<false>(grad + first, count);
+  muon_cpu::prefetch_entries<true>(update + first, count);
+}
+
 template <typename grad_t, typename update_t>
 MUON_VECTOR_CLONES void step_bfloat16_range(uint16_t* __restrict__ buffer, const grad_t* __restrict__ grad,
                                             update_t* __restrict__ update, int64_t begin, int64_t end,
@@ -48,6 +60,10 @@ MUON_VECTOR_CLONES void step_bfloat16_range(uint16_t* __restrict__ buffer, const
   uint32_t bits[kRoundedBlock];
   for (int64_t first = begin; first < end; first += kRoundedBlock) {
     const int64_t length = std::min(kRoundedBlock, end - first);
+    const int64_t ahead = first + kAheadBlocks * kRoundedBlock;
+    if (ahead + kRoundedBlock <= end) {
+      prefetch_block(buffer, grad, update, ahead, kRoundedBlock);
+    }
     rule.salt.fill(bits, first, length);
     for (int64_t t = 0; t < length; ++t) {
       const int64_t j = first + t;
@@ -86,6 +102,9 @@ void step_tensor(const at::Tensor& buffer, const std::optional<at::Tensor>& scal
   const muon_cpu::Blocks blocks(buffer, *scales);
   at::parallel_for(0, scales->numel(), muon_cpu::kGrainSize / kRoundedBlock, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
+      if (block + kAheadBlocks < end) {
+        prefetch_block(codes, grad, update, blocks.first(block + kAheadBlocks), blocks.length(block + kAheadBlocks));
+      }
       step_int8_block(codes, block_scales + block, grad, update, blocks.first(block), blocks.length(block), rule);
     }
   });
