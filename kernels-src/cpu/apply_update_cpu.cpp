@@ -67,8 +67,8 @@ MUON_VECTOR_CLONES void apply_transposed_tile(param_t* param, const update_t* up
   alignas(64) opmath_t values[kTile][kTile];  // [row][col]: the parameter's
   muon_cpu::transpose_tile(read, values);
   for (int64_t row = 0; row < place.row_count; ++row) {
-    apply_range<false>(param + (place.first_row + row) * tiles.cols + place.first_col, values[row], place.col_count, decay,
-                step);
+    apply_range<false>(param + (place.first_row + row) * tiles.cols + place.first_col, values[row], place.col_count,
+                       decay, step);
   }
 }
 

@@ -124,7 +124,8 @@ double normalize_tensor(const at::Tensor& update_tensor, moment_t* moment, const
   if (update_tensor.is_contiguous()) {
     return at::parallel_reduce(0, update_tensor.numel(), kGrainSize, 0.0,
                                [&](int64_t begin, int64_t end, double total) {
-                                 return total + normalize_range<kCorrected, true>(update + begin, moment + begin, end - begin, rule);
+                                 return total + normalize_range<kCorrected, true>(update + begin, moment + begin,
+                                                                                  end - begin, rule);
                                }, add);
   }
   const muon_cpu::TransposedTiles tiles(update_tensor.size(-2), update_tensor.size(-1));

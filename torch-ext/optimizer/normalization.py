@@ -58,9 +58,9 @@ def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
     moved toward the mean of its squares (per row for "neuron", per entry for "element"), in place, with its step
     count. A skipped parameter (its `skipped` entry True) has an all-zero update: its v decays by 1 and gains 0, so it
     and its step stay exactly as they were. Returns the normalized updates and, with `sums_of_squares`, each one's
-    ‖U‖² as an (N,) float64 tensor (what the RMS rule scales by), else None: float64 whichever pass ran, since the ranks
-    of a distributed step add their shards' sums in one all-reduce, and the shards of one parameter may differ in
-    layout (one rank's compiled pass, another's composition).
+    ‖U‖² as an (N,) float64 tensor (what the RMS rule scales by), else None: float64 whichever pass ran, since the
+    ranks of a distributed step add their shards' sums in one all-reduce, and the shards of one parameter may differ
+    in layout (one rank's compiled pass, another's composition).
 
     `row_sums` ("neuron" only): whole rows' sums from `row_squares`, for updates that are shards of their rows; None
     where every update holds whole rows (then "element" too). On the CPU the compiled passes serve where they can (see
