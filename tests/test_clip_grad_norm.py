@@ -13,7 +13,9 @@ import pytest
 import torch
 from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
 
-native = submodule(load_cpu_variant(), "native")
+# The compiled CPU build, also where the package under test is the CUDA variant (a CUDA torch), which has no CPU ops.
+cpu_build = load_cpu_variant()
+native = submodule(cpu_build, "native")
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -37,10 +39,10 @@ def _backward(model: torch.nn.Module, seed: int, *more: torch.nn.Module) -> None
 def package(request: pytest.FixtureRequest):
     """The package whose clip reads the gradients the named way: the CPU build's compiled op (L2), or torch's
     per-tensor norms (the build without compiled ops)."""
-    return optimizer if request.param == "squared_norms_ op" else load_fallback_variant()
+    return cpu_build if request.param == "squared_norms_ op" else load_fallback_variant()
 
 
-def _twins(package=optimizer) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+def _twins(package=cpu_build) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
     """A model and its copy, each with its own Muon."""
     model = _model()
     reference = copy.deepcopy(model)
@@ -79,7 +81,7 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 def test_clip_matches_torch_clip(dtype: torch.dtype, max_norm: float) -> None:
     model = _model(dtype)
     reference = copy.deepcopy(model)
-    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    opt = cpu_build.Muon(model.parameters(), lr=0.02)
     _backward(model, 0, reference)
     norm = opt.clip_grad_norm_(max_norm)
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
@@ -208,7 +210,7 @@ def test_error_if_nonfinite_raises_before_anything_is_scaled(package) -> None:
 def test_other_norms_are_torch_s(norm_type: float) -> None:
     model = _model()
     reference = copy.deepcopy(model)
-    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    opt = cpu_build.Muon(model.parameters(), lr=0.02)
     _backward(model, 0, reference)
     norm = opt.clip_grad_norm_(0.1, norm_type=norm_type)
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1, norm_type=norm_type)
@@ -220,7 +222,7 @@ def test_other_norms_are_torch_s(norm_type: float) -> None:
 @pytest.mark.parametrize("max_norm", [-1.0, math.nan, "1", True, None])
 def test_invalid_max_norm_raises_value_error_naming_it(max_norm: object) -> None:
     model = _model()
-    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    opt = cpu_build.Muon(model.parameters(), lr=0.02)
     _backward(model, 0)
     grads = [param.grad.clone() for param in model.parameters()]
     with pytest.raises(ValueError, match="max_norm"):
@@ -232,7 +234,7 @@ def test_invalid_max_norm_raises_value_error_naming_it(max_norm: object) -> None
 def test_float64_gradients_too_large_to_square_are_finite() -> None:
     """Their float64 squares overflow, so their finite flags come from the exact check: the step goes on."""
     param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
-    opt = optimizer.Muon([dict(params=[param], use_muon=False)], lr=0.02)
+    opt = cpu_build.Muon([dict(params=[param], use_muon=False)], lr=0.02)
     param.grad = torch.full((4,), 1e300, dtype=torch.float64)
     assert opt.clip_grad_norm_(1.0) == math.inf
     opt.step()  # the Inf total zeroes the gradient (as torch's clip does): weight decay of zero, nothing skipped

@@ -544,8 +544,11 @@ class Muon(Optimizer):
     def _graph_capture_health_check(self) -> None:
         """torch's check that a captured step has capturable=True in every group, under its current name: the older
         `_cuda_graph_capture_health_check` warns when called, which a compiled step cannot trace."""
-        check = getattr(self, "_accelerator_graph_capture_health_check", None) or self._cuda_graph_capture_health_check
-        check()
+        # Asked of the class, whose answer a compiler folds (torch 2.11's cannot branch on a bound method's truth).
+        if hasattr(Optimizer, "_accelerator_graph_capture_health_check"):
+            self._accelerator_graph_capture_health_check()
+        else:
+            self._cuda_graph_capture_health_check()
 
     def _check_normalization_state(self, group: dict[str, Any]) -> None:
         """A second moment kept from an earlier run must have the shape this group's normalization needs (it changes

@@ -103,6 +103,7 @@ def _decide_compiled_op(op_name: str, device_type: str) -> bool:
     return found
 
 
+@torch.compiler.assume_constant_result  # fixed for the process; its dispatcher queries would break a traced step
 def ops_summary() -> str:
     """One line saying which path runs, e.g.
     'compiled ops (cpu): _optimizer_cpu_1a2b3c4d5e [muon_momentum_: cpu; symmetric_gram_: cpu]'."""

@@ -75,7 +75,9 @@ def check_safety_factor(safety_factor: float) -> None:
         raise ValueError(f"Invalid safety_factor: {safety_factor!r} (expected a finite number >= 1)")
 
 
-@dataclass(frozen=True)
+# eq=False keeps object identity's hash: torch 2.11's compiler hashes a callable object built inside a traced step
+# before its fields exist, which the fields' hash cannot survive (the GPT-2 step under torch.compile died there).
+@dataclass(frozen=True, eq=False)
 class Orthogonalizer:
     """One parameter group's Newton-Schulz recipe, applied to every stack of its matrices in a step."""
 
