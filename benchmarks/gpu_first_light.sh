@@ -3,13 +3,14 @@
 # whole test suite with the CUDA cases and compiled Triton, the GPU correctness checks, the demo on the GPU and the
 # benchmarks, and `kernels benchmark` on the checkout. OUTDIR/summary.txt gets the machine's description and one line
 # per stage, OUTDIR/<stage>.log each stage's output; the correctness table, the benchmark table and the profile of one
-# GPT-2-small step (ours and torch's: operators, kernel launches, host time per operator) land in OUTDIR too (eleven
-# files in all). The test stage includes the notebook (tests/test_notebook.py: nbclient, nbformat, ipykernel)
-# and the get_kernel + LOCAL_KERNELS load, so those must be installed too.
-#   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,bench,check,profile,demo,hub,test)
+# GPT-2-small step (ours and torch's: operators, kernel launches, host time per operator) land in OUTDIR too (twelve
+# files in all). Stages run in the order listed below; the tests of the files with GPU cases come right after the
+# build, the rest of the suite last. The test stage includes the notebook (tests/test_notebook.py: nbclient,
+# nbformat, ipykernel) and the get_kernel + LOCAL_KERNELS load, so those must be installed too.
+#   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,gpu-tests,bench,check,profile,demo,hub,test)
 set -uo pipefail
-out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [build,bench,check,profile,demo,hub,test]}")
-stages=",${2:-build,bench,check,profile,demo,hub,test},"
+out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]}")
+stages=",${2:-build,gpu-tests,bench,check,profile,demo,hub,test},"
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 PY=${PYTHON:-python3}
@@ -37,15 +38,22 @@ torch.cuda.get_device_capability())'
   command -v nvcc && nvcc --version | tail -n 2
 }
 
+# pytest-xdist, where installed, compiles the Triton kernels of several test files at once; one file per worker
+# keeps each distributed file's spawned ranks together; half the cores, since those ranks need cores of their own.
+workers=$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))
+xdist=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n $workers --dist loadfile")
+# Each test's name and outcome as it ends (-v), so a run cut off by the machine's time limit still names its failures.
+# The files with GPU cases run first, as a stage of their own, so they finish inside such a limit.
+pytest=("$PY" -m pytest -v -rfE -p no:cacheprovider --durations=15 $xdist)
+gpu_files=$(grep -l -E "cuda\.is_available|HAS_CUDA|triton_under_test" tests/test_*.py)
+
 environment >>"$out/summary.txt" 2>&1
 stage build 400 "$PY" tools/build.py
+stage gpu-tests 300 "${pytest[@]}" $gpu_files
 stage bench 400 "$PY" benchmarks/bench.py --sections gram,zeropower,step --results-dir "$out"
 stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
 stage profile 120 "$PY" benchmarks/step_profile.py --out "$out/step_profile.md"
 stage demo 120 "$PY" examples/train_gpt.py --device cuda --out "${TMPDIR:-/tmp}/optimizer-demo"
 stage hub 300 "$PY" -c 'import sys; from kernels.cli import main; sys.argv = ["kernels", "benchmark", "."]; main()'
-# pytest-xdist, where installed, compiles the Triton kernels of several test files at once; one file per worker
-# keeps each distributed file's spawned ranks together.
-xdist=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4 --dist loadfile")
-stage test 500 "$PY" -m pytest -q -p no:cacheprovider --durations=15 $xdist tests
+stage test 500 "${pytest[@]}" tests $(printf -- "--ignore=%s " $gpu_files)
 exit $status

@@ -25,12 +25,13 @@ BACKENDS: tuple[str, ...] = ("torch", "cpu", "cuda", "triton")
 # saves half the multiply-adds, but small tiles run below the BLAS's peak. Measured with `make bench` (README).
 CPU_MIN_ROWS = 512
 # Rows from which the Triton kernels beat cuBLAS, per CUDA capability, from `make bench` on the GPU
-# (benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-23.md). On an H100 Triton's 5-step Newton-Schulz ran 1.02-1.15x
-# as fast as cuBLAS's at 8192 rows, at parity at 4096 (1.02-1.03x, within the noise, so cuBLAS keeps it) and at
-# 0.3-0.5x below. A capability not listed has not been measured and keeps cuBLAS, so the automatic choice is never
-# slower than cuBLAS where nobody looked. The compiled CUDA op (WMMA tiles, no wgmma) ran its Gram products at
-# 0.15-0.40x of cuBLAS's speed at every size on the H100: it is never chosen automatically (backend="cuda" forces it).
-TRITON_MIN_ROWS: dict[tuple[int, int], int] = {(9, 0): 8192}
+# (benchmarks/results/nvidia-h200-2026-11-26.md, the 128x256 and TMA tiles). On an H200 Triton's Gram products ran
+# 1.13x as fast as cuBLAS's at 4096 rows (4096x16384: 1.53x), 1.11-1.27x from 8192, and its 5-step Newton-Schulz
+# 1.09-1.12x at 4096 rows; at 2048 rows and below 0.1-0.4x. A capability not listed has not been measured and keeps
+# cuBLAS, so the automatic choice is never slower than cuBLAS where nobody looked. The compiled CUDA op (WMMA tiles,
+# no wgmma) ran its Gram products at 0.15-0.40x of cuBLAS's speed at every size on an H100 and an H200: it is never
+# chosen automatically (backend="cuda" forces it).
+TRITON_MIN_ROWS: dict[tuple[int, int], int] = {(9, 0): 4096}
 
 _COMPILED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,7 +98,7 @@ def kernel_choice(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, devic
     rows = min(shape[-2:]), the side of the Gram matrix. On CPUs: "cpu" (the compiled symmetric op) from CPU_MIN_ROWS
     rows for float32 and float64, and for bfloat16 and float16 on CPUs without AMX tiles (`_cpu_op_pays`), else
     "torch". On CUDA GPUs: "triton" for bfloat16 and float16 from
-    TRITON_MIN_ROWS[capability] rows on the capabilities measured faster there (sm_90: 8192), else "torch"
+    TRITON_MIN_ROWS[capability] rows on the capabilities measured faster there (sm_90: 4096), else "torch"
     (cuBLAS). The compiled "cuda" op is never chosen here; pass backend="cuda" to use it.
     """
     device = torch.device(device)

@@ -43,11 +43,12 @@ def symmetric_tile_configs() -> list[triton.Config]:
         return [_tiles(INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K)]
     return [
         # The tiles of Triton's Hopper matmul tutorials, through TMA and through pointers: a 128x256 tile loads a
-        # quarter fewer operand bytes per multiply-add than a 128x128 one. Not yet measured here.
+        # quarter fewer operand bytes per multiply-add than a 128x128 one. An H200 took the TMA 128x256 tile from 8192
+        # rows, the TMA 128x128 one at 4096 and the TMA 64x64 one below (benchmarks/results/nvidia-h200-2026-11-26.md).
         _tiles(128, 256, 64, tma=True, num_warps=8, num_stages=3),
         _tiles(128, 128, 64, tma=True, num_warps=8, num_stages=4),
         _tiles(128, 256, 64, num_warps=8, num_stages=3),
-        # What the autotuner chose on an H100 from 4096 rows on (benchmarks/results/).
+        # What the autotuner chose on an H100 from 4096 rows on, before the TMA tiles (benchmarks/results/).
         _tiles(128, 128, 64, num_warps=8, num_stages=4),
         # Small Gram matrices have few lower tiles: smaller tiles keep more SMs busy (chosen below 4096 rows there).
         # They are also the only candidates whose fp32 pipelines fit.
