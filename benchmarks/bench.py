@@ -387,19 +387,17 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         if device.type == "cuda":  # on a CPU offload moves nothing, and the 16-bit Gram iteration runs slower
             variants["offload='cpu'"] = optimizer.Muon(groups, lr=0.02, offload="cpu")
             variants["ns_algorithm='gram' (float16 on the GPU)"] = optimizer.Muon(groups, lr=0.02, ns_algorithm="gram")
-        compiled_step = torch.compile(ours.step)
-        compiled_step()  # compiles twice: before and after the step that creates the optimizer state
-
-        baseline, eager, compiled, *variant_ms = paired_medians_ms(
-            [torch_stepping(theirs, torch_dtype), ours.step, compiled_step, *(opt.step for opt in variants.values())],
-            device, repeats)
+        # The compiled step compiles twice: before and after the step that creates the optimizer state.
+        steppers, failures = _running({"optimizer.Muon (defaults)": ours.step,
+                                       "torch.compile(optimizer.Muon.step)": torch.compile(ours.step),
+                                       **{f"optimizer.Muon, {label}": opt.step for label, opt in variants.items()}})
+        notes += [f"{name}: {failure}" for failure in failures]
+        baseline, *ours_ms = paired_medians_ms([torch_stepping(theirs, torch_dtype), *steppers.values()], device,
+                                               repeats)
         case = f"{name}, {len(matrices)} matrices + {len(vectors)} AdamW tensors"
         rows += [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + "
-                     "fused AdamW", baseline, flop, baseline),
-                 Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline),
-                 Row("Muon.step", case, "torch.compile(optimizer.Muon.step)", compiled, flop, baseline)]
-        rows += [Row("Muon.step", case, f"optimizer.Muon, {label}", ms, flop, baseline)
-                 for label, ms in zip(variants, variant_ms)]
+                     "fused AdamW", baseline, flop, baseline)]
+        rows += [Row("Muon.step", case, label, ms, flop, baseline) for label, ms in zip(steppers, ours_ms)]
         numel = sum(p.numel() for p in matrices + vectors)
         notes += [f"{name}: optimizer state per parameter: {label} {state_bytes(opt) / numel:.2f} bytes"
                   for label, opt in {"torch.optim.Muon + AdamW": theirs, "optimizer.Muon (defaults)": [ours],
@@ -408,6 +406,21 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
                                  repeats)
     rows += _small_model_rows(optimizer, device, torch_dtype, repeats)
     return rows, notes
+
+
+def _running(steppers: dict[str, Callable[[], object]]) -> tuple[dict[str, Callable[[], object]], list[str]]:
+    """The steppers whose first call succeeds, and a line naming each that raised, so that one configuration failing
+    on a machine (a GPU session has only minutes) costs its own row, not the whole section."""
+    running, failures = {}, []
+    for label, step in steppers.items():
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - reported in the notes, and the other steppers still run
+            message = ": ".join([type(error).__name__, *str(error).strip().splitlines()[:1]])
+            failures.append(f"{label} failed and is not timed: {message[:240]}")
+        else:
+            running[label] = step
+    return running, failures
 
 
 def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:

@@ -8,6 +8,7 @@
 # build, the rest of the suite last. The test stage includes the notebook (tests/test_notebook.py: nbclient,
 # nbformat, ipykernel) and the get_kernel + LOCAL_KERNELS load, so those must be installed too.
 #   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,gpu-tests,bench,check,profile,demo,hub,test)
+# BENCH_SECTIONS=step (say) narrows the bench stage to bench.py's sections named, where the others were measured.
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]}")
 stages=",${2:-build,gpu-tests,bench,check,profile,demo,hub,test},"
@@ -50,7 +51,7 @@ gpu_files=$(grep -l -E "cuda\.is_available|HAS_CUDA|triton_under_test" tests/tes
 environment >>"$out/summary.txt" 2>&1
 stage build 400 "$PY" tools/build.py
 stage gpu-tests 300 "${pytest[@]}" $gpu_files
-stage bench 400 "$PY" benchmarks/bench.py --sections gram,zeropower,step --results-dir "$out"
+stage bench 400 "$PY" benchmarks/bench.py --sections "${BENCH_SECTIONS:-gram,zeropower,step}" --results-dir "$out"
 stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
 stage profile 120 "$PY" benchmarks/step_profile.py --out "$out/step_profile.md"
 stage demo 120 "$PY" examples/train_gpt.py --device cuda --out "${TMPDIR:-/tmp}/optimizer-demo"
