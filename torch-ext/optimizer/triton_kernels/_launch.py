@@ -44,7 +44,8 @@ def symmetric_tile_configs() -> list[triton.Config]:
     return [
         # The tiles of Triton's Hopper matmul tutorials, through TMA and through pointers: a 128x256 tile loads a
         # quarter fewer operand bytes per multiply-add than a 128x128 one. An H200 took the TMA 128x256 tile from 8192
-        # rows, the TMA 128x128 one at 4096 and the TMA 64x64 one below (benchmarks/results/nvidia-h200-2026-11-26.md).
+        # rows, the TMA 128x128 one at 4096 and 64x64 ones below, through TMA but at 768 rows
+        # (benchmarks/results/nvidia-h200-2026-11-26.md).
         _tiles(128, 256, 64, tma=True, num_warps=8, num_stages=3),
         _tiles(128, 128, 64, tma=True, num_warps=8, num_stages=4),
         _tiles(128, 256, 64, num_warps=8, num_stages=3),
