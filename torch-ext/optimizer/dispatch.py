@@ -26,8 +26,8 @@ BACKENDS: tuple[str, ...] = ("torch", "cpu", "cuda", "triton")
 CPU_MIN_ROWS = 512
 # Rows from which the Triton kernels beat cuBLAS, per CUDA capability, from `make bench` on the GPU
 # (benchmarks/results/nvidia-h200-2026-11-26.md, the 128x256 and TMA tiles). On an H200 Triton's Gram products ran
-# 1.13x as fast as cuBLAS's at 4096 rows (4096x16384: 1.53x), 1.11-1.27x from 8192, and its 5-step Newton-Schulz
-# 1.09-1.12x at 4096 rows; at 2048 rows and below 0.1-0.4x. A capability not listed has not been measured and keeps
+# 1.11x as fast as cuBLAS's at 4096 rows (4096x16384: 1.51x), 1.18-1.29x from 8192, and its 5-step Newton-Schulz
+# 1.11-1.12x at 4096 rows; at 2048 rows and below 0.1-0.4x. A capability not listed has not been measured and keeps
 # cuBLAS, so the automatic choice is never slower than cuBLAS where nobody looked. The compiled CUDA op (WMMA tiles,
 # no wgmma) ran its Gram products at 0.15-0.40x of cuBLAS's speed at every size on an H100 and an H200: it is never
 # chosen automatically (backend="cuda" forces it).
