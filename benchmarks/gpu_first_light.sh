@@ -7,8 +7,9 @@
 # files in all). Stages run in the order listed below; the tests of the files with GPU cases come right after the
 # build, the rest of the suite last. The test stage includes the notebook (tests/test_notebook.py: nbclient,
 # nbformat, ipykernel) and the get_kernel + LOCAL_KERNELS load, so those must be installed too.
-#   benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]   (stages: build,gpu-tests,bench,check,profile,demo,hub,test)
-# BENCH_SECTIONS=step (say) narrows the bench stage to bench.py's sections named, where the others were measured.
+#   benchmarks/gpu_first_light.sh OUTDIR [stage,...]   (stages: build,gpu-tests,bench,check,ncu,profile,demo,hub,test)
+# BENCH_SECTIONS=step (say) narrows the bench stage to bench.py's sections named, where the others were measured. One
+# more stage runs only when named: ncu (benchmarks/gram_kernel_profile.py under Nsight Compute).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]}")
 stages=",${2:-build,gpu-tests,bench,check,profile,demo,hub,test},"
@@ -53,6 +54,10 @@ stage build 400 "$PY" tools/build.py
 stage gpu-tests 300 "${pytest[@]}" $gpu_files
 stage bench 400 "$PY" benchmarks/bench.py --sections "${BENCH_SECTIONS:-gram,zeropower,step}" --results-dir "$out"
 stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
+# Only when asked for (Nsight Compute's `ncu`): the hardware counters of our Gram kernel and tsyrk_ex at 8192 rows.
+stage ncu 200 "${NCU:-ncu}" --nvtx --nvtx-include "measure/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+  --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats --section Occupancy \
+  --section LaunchStats "$PY" benchmarks/gram_kernel_profile.py
 stage profile 120 "$PY" benchmarks/step_profile.py --out "$out/step_profile.md"
 stage demo 120 "$PY" examples/train_gpt.py --device cuda --out "${TMPDIR:-/tmp}/optimizer-demo"
 stage hub 300 "$PY" -c 'import sys; from kernels.cli import main; sys.argv = ["kernels", "benchmark", "."]; main()'
