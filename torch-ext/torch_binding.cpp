@@ -336,15 +336,17 @@ void checked_apply_update(at::TensorList params, at::TensorList updates, const a
   impl(params, updates, decay, step_sizes);
 }
 
-// The rules both normalization ops share: one moment per update, a decay and a correction per update on the host, one
-// device, a supported update dtype, float32 or float64 moments that share no memory with their update.
+// The rules both normalization ops share: one moment per update, a decay, a correction and a sum of squares per update
+// on the host, one device, a supported update dtype, updates contiguous or stored transposed, float32 or float64
+// contiguous moments that share no memory with their update.
 void check_normalization_args(const char* op, at::TensorList updates, at::TensorList moments,
-                              const at::Tensor& decays, const at::Tensor& corrections) {
+                              const at::Tensor& decays, const at::Tensor& corrections, const at::Tensor& squares) {
   const auto count = static_cast<int64_t>(updates.size());
   TORCH_CHECK_VALUE(moments.size() == updates.size(), op, ": moments has ", moments.size(), " tensors but updates has ",
                     count);
   check_host_factors(op, "decays", decays, count);
   check_host_factors(op, "corrections", corrections, count);
+  check_host_factors(op, "squares", squares, count);
   for (size_t i = 0; i < updates.size(); ++i) {
     for (const auto& [name, tensor] : {std::pair{"updates", updates[i]}, std::pair{"moments", moments[i]}}) {
       TORCH_CHECK_VALUE(tensor.device() == updates[0].device(), op, ": ", name, "[", i, "] is on ", tensor.device(),
@@ -356,18 +358,17 @@ void check_normalization_args(const char* op, at::TensorList updates, at::Tensor
                       ": moments[", i, "] has dtype ", moments[i].scalar_type(), " (expected float32 or float64)");
     TORCH_CHECK_VALUE(!share_memory(updates[i], moments[i]), op, ": moments[", i, "] shares memory with updates[", i,
                       "]");
+    TORCH_CHECK_VALUE(is_contiguous_or_transposed(updates[i]), op, ": updates[", i,
+                      "] must be contiguous or the transpose of a contiguous tensor (its last two dims swapped)");
+    TORCH_CHECK_VALUE(moments[i].is_contiguous(), op, ": moments[", i, "] must be contiguous");
   }
 }
 
 void check_normalize_elements_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
                                    const at::Tensor& corrections, const at::Tensor& squares) {
   const char* op = "normalize_elements_";
-  check_normalization_args(op, updates, moments, decays, corrections);
-  check_host_factors(op, "squares", squares, static_cast<int64_t>(updates.size()));
+  check_normalization_args(op, updates, moments, decays, corrections, squares);
   for (size_t i = 0; i < updates.size(); ++i) {
-    TORCH_CHECK_VALUE(is_contiguous_or_transposed(updates[i]), op, ": updates[", i,
-                      "] must be contiguous or the transpose of a contiguous tensor (its last two dims swapped)");
-    TORCH_CHECK_VALUE(moments[i].is_contiguous(), op, ": moments[", i, "] must be contiguous");
     TORCH_CHECK_VALUE(moments[i].sizes() == updates[i].sizes(), op, ": moments[", i, "] has shape ",
                       moments[i].sizes(), " but updates[", i, "] has shape ", updates[i].sizes());
   }
@@ -384,14 +385,10 @@ void checked_normalize_elements(at::TensorList updates, at::TensorList moments, 
 void check_normalize_rows_args(at::TensorList updates, at::TensorList moments, const at::Tensor& decays,
                                const at::Tensor& corrections, const at::Tensor& squares) {
   const char* op = "normalize_rows_";
-  check_normalization_args(op, updates, moments, decays, corrections);
-  check_host_factors(op, "squares", squares, static_cast<int64_t>(updates.size()));
+  check_normalization_args(op, updates, moments, decays, corrections, squares);
   for (size_t i = 0; i < updates.size(); ++i) {
     TORCH_CHECK_VALUE(updates[i].dim() >= 2, op, ": updates[", i, "] must be (..., rows, cols), got shape ",
                       updates[i].sizes());
-    TORCH_CHECK_VALUE(is_contiguous_or_transposed(updates[i]), op, ": updates[", i,
-                      "] must be contiguous or the transpose of a contiguous tensor (its last two dims swapped)");
-    TORCH_CHECK_VALUE(moments[i].is_contiguous(), op, ": moments[", i, "] must be contiguous");
     const int64_t rows = updates[i].numel() / std::max<int64_t>(updates[i].size(-1), 1);
     TORCH_CHECK_VALUE(moments[i].numel() == rows, op, ": moments[", i, "] has ", moments[i].numel(),
                       " entries but updates[", i, "] of shape ", updates[i].sizes(), " has ", rows, " rows");
