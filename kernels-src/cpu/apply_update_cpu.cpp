@@ -24,7 +24,7 @@ using muon_cpu::kTile;
 // param <- param * decay, rounded to its dtype, then <- param + step * update, rounded again: what `mul_` then
 // `add_(update, alpha=step)` compute, the second with one fused multiply-add as torch's vectorized add does. Written
 // as std::fma, not left to contraction, which could as well fuse the decay's product and skip its rounding; the
-// x86-64-v3 clone vectorizes it, the baseline clone calls libm's (CPUs without FMA units, from before 2013).
+// x86-64-v3 and v4 clones vectorize it, the baseline clone calls libm's (CPUs without FMA units, from before 2013).
 // kStreamed: both stream from memory (not a tile of the update in cache), and are prefetched ahead of their reads.
 template <bool kStreamed, typename param_t, typename update_t>
 MUON_VECTOR_CLONES void apply_range(param_t* __restrict__ param, const update_t* __restrict__ update, int64_t count,

@@ -48,9 +48,9 @@ template <typename value_t>
 using FiniteCheck =
     std::conditional_t<std::is_floating_point_v<value_t>, ProductCheck<value_t>, ExponentCheck<value_t>>;
 
-// The range is read as four parts at once, into eight (AVX2) vectors of partial results. With one chain of partial
-// results the loads waited on it (float32 at two thirds of torch.sum's bandwidth); with one part, 16-bit tensors
-// took 1.3x as long (2-core Xeon, 154 MB tensors).
+// The range is read as four parts at once, into 256 bytes of partial results (eight AVX2 vectors, four AVX-512
+// ones). With one chain of partial results the loads waited on it (float32 at two thirds of torch.sum's bandwidth);
+// with one part, 16-bit tensors took 1.3x as long (2-core Xeon, 154 MB tensors).
 template <typename value_t>
 MUON_VECTOR_CLONES bool any_nonfinite(const value_t* __restrict__ values, int64_t count) {
   using check = FiniteCheck<value_t>;

@@ -50,8 +50,8 @@ C10_ALWAYS_INLINE void for_each_prefetched(int64_t count, const Entry& entry, co
 
 // torch.lerp's formula, weight < 0.5 ? start + weight * (end - start) : end - (end - start) * (1 - weight), with
 // the weight rounded to opmath_t first as torch does (for weight in [0.5, 1], 1 - weight and weight - 1 are both
-// exact), but with the choice made once per call rather than per element, so the loops vectorize. The AVX2 clone
-// may fuse the multiply-add, as torch's own vectorized lerp does: one rounding fewer.
+// exact), but with the choice made once per call rather than per element, so the loops vectorize. The AVX2 and
+// AVX-512 clones may fuse the multiply-add, as torch's own vectorized lerp does: one rounding fewer.
 template <typename opmath_t>
 struct Lerp {
   explicit Lerp(double weight)
