@@ -69,23 +69,28 @@ def random_symmetric(batch: tuple[int, ...], m: int, dtype: torch.dtype, seed: i
     return (half + half.mT).to(dtype).to(DEVICE)
 
 
-@pytest.fixture(params=["pointers", "tma"])
+@pytest.fixture(params=["pointers", "tma", "tma_store"])
 def operand_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both kernels restricted to the configs that load their operands that way. The interpreter's one config is
-    copied with TMA switched on."""
-    tma = request.param == "tma"
+    """Both kernels restricted to the configs that load their operands that way, and with "tma_store" write the
+    tiles below the diagonal through TMA too. The interpreter's one config is copied with TMA switched on."""
+    tma, tma_store = request.param != "pointers", request.param == "tma_store"
     for kernel in KERNELS:
-        configs = [triton.Config({**config.kwargs, "TMA": tma}, num_warps=config.num_warps,
+        configs = [triton.Config({**config.kwargs, "TMA": tma, "TMA_STORE": tma_store}, num_warps=config.num_warps,
                                  num_stages=config.num_stages, pre_hook=config.pre_hook)
-                   for config in kernel.configs if INTERPRETER or config.kwargs["TMA"] == tma]
+                   for config in kernel.configs
+                   if INTERPRETER or (config.kwargs["TMA"], config.kwargs["TMA_STORE"]) == (tma, tma_store)]
         monkeypatch.setattr(kernel, "configs", configs)
         monkeypatch.setattr(kernel, "cache", {})
     return request.param
 
 
 def skip_unless_readable(operand: torch.Tensor, path: str) -> None:
-    if path == "tma" and launch_rules.operand_descriptors(launch_rules.as_batched(operand))[0] is None:
+    """Skips a TMA path that cannot read the operand, or (TMA stores) write the Gram matrix the kernels return."""
+    if path != "pointers" and launch_rules.tma_descriptors(launch_rules.as_batched(operand))[0] is None:
         pytest.skip(f"TMA cannot read a {tuple(operand.shape)} {operand.dtype} operand")
+    output = torch.empty((*operand.shape[:-1], operand.shape[-2]), dtype=operand.dtype, device=operand.device)
+    if path == "tma_store" and launch_rules.tma_descriptors(launch_rules.as_batched(output))[0] is None:
+        pytest.skip(f"TMA cannot write a {tuple(output.shape)} {output.dtype} result")
 
 
 def xxt_fp32_error(X: torch.Tensor) -> torch.Tensor:
@@ -106,6 +111,9 @@ XXT_SHAPES = {
     # Rows of a multiple of 16 bytes in every dtype, which TMA needs; the K tail is not a multiple of the K step.
     "tma_rows": (2 * BLOCK + 13, 200),
     "tma_batched": (3, BLOCK + 17, 152),
+    # Gram matrices whose rows are too, for TMA stores: a tile wholly below the diagonal, its rows past the matrix.
+    "tma_store_rows": (2 * BLOCK + 16, 200),
+    "tma_store_batched": (2, 2 * BLOCK + 16, 152),
 }
 
 
@@ -276,29 +284,38 @@ def test_launchers_explain_a_missing_triton(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.skipif(not triton_kernels.TRITON_AVAILABLE, reason="needs Triton")
-@pytest.mark.parametrize("dtype,rows,tma,shared_memory,expected", [
-    # An H100 (227 KiB per block): all six candidates for small bf16 Gram matrices, the 128-row ones for large.
-    (torch.bfloat16, 1024, True, 232448,
-     [(128, 256, 64, 3, True), (128, 128, 64, 4, True), (128, 256, 64, 3, False), (128, 128, 64, 4, False),
-      (64, 64, 64, 4, True), (64, 64, 64, 4, False)]),
-    (torch.bfloat16, 8192, True, 232448,
-     [(128, 256, 64, 3, True), (128, 128, 64, 4, True), (128, 256, 64, 3, False), (128, 128, 64, 4, False)]),
+@pytest.mark.parametrize("dtype,rows,tma,tma_store,shared_memory,expected", [
+    # An H100 (227 KiB per block): all nine candidates for small bf16 Gram matrices, the 128-row ones for large.
+    (torch.bfloat16, 1024, True, True, 232448,
+     [(128, 256, 64, 4, True, True), (128, 256, 64, 3, True, True), (128, 256, 64, 3, True, False),
+      (128, 128, 64, 4, True, True), (128, 128, 64, 4, True, False), (128, 256, 64, 3, False, False),
+      (128, 128, 64, 4, False, False), (64, 64, 64, 4, True, False), (64, 64, 64, 4, False, False)]),
+    (torch.bfloat16, 8192, True, True, 232448,
+     [(128, 256, 64, 4, True, True), (128, 256, 64, 3, True, True), (128, 256, 64, 3, True, False),
+      (128, 128, 64, 4, True, True), (128, 128, 64, 4, True, False), (128, 256, 64, 3, False, False),
+      (128, 128, 64, 4, False, False)]),
+    # An output TMA cannot write (a transposed view): TMA loads, stores through pointers.
+    (torch.bfloat16, 8192, True, False, 232448,
+     [(128, 256, 64, 3, True, False), (128, 128, 64, 4, True, False), (128, 256, 64, 3, False, False),
+      (128, 128, 64, 4, False, False)]),
     # An operand TMA cannot read (a transposed view, a row of an odd number of bytes): the pointer candidates.
-    (torch.bfloat16, 8192, False, 232448, [(128, 256, 64, 3, False), (128, 128, 64, 4, False)]),
+    (torch.bfloat16, 8192, False, True, 232448, [(128, 256, 64, 3, False, False), (128, 128, 64, 4, False, False)]),
     # fp32 operands take twice the bytes: the 128-row pipelines (256 KiB and more) do not fit, the 64-row ones do.
-    (torch.float32, 8192, True, 232448, [(64, 64, 64, 4, True), (64, 64, 64, 4, False)]),
+    (torch.float32, 8192, True, True, 232448, [(64, 64, 64, 4, True, False), (64, 64, 64, 4, False, False)]),
     # A T4 (64 KiB, no TMA): no candidate leaves room for the epilogue, so the smaller pipelines.
-    (torch.float16, 1024, False, 65536, [(128, 128, 32, 3, False), (64, 64, 32, 2, False)]),
-    (torch.float32, 8192, False, 65536, [(64, 64, 32, 2, False)]),
+    (torch.float16, 1024, False, False, 65536, [(128, 128, 32, 3, False, False), (64, 64, 32, 2, False, False)]),
+    (torch.float32, 8192, False, False, 65536, [(64, 64, 32, 2, False, False)]),
 ])
 def test_tile_configs_fit_shared_memory(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, tma: bool,
-                                        shared_memory: int, expected: list[tuple[int, int, int, int, bool]]) -> None:
+                                        tma_store: bool, shared_memory: int,
+                                        expected: list[tuple[int, int, int, int, bool, bool]]) -> None:
     monkeypatch.setattr(launch_rules, "INTERPRETER", False)
     monkeypatch.setattr(launch_rules, "_max_shared_memory", lambda: shared_memory)
     configs = launch_rules.symmetric_tile_configs()
-    kept = launch_rules.prune_tile_configs(configs, {"x_ptr": torch.empty(0, dtype=dtype), "M": rows}, TMA_READY=tma)
-    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.kwargs["TMA"])
-             for c in kept]
+    kept = launch_rules.prune_tile_configs(configs, {"x_ptr": torch.empty(0, dtype=dtype), "M": rows}, TMA_READY=tma,
+                                           TMA_STORE_READY=tma_store)
+    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.kwargs["TMA"],
+              c.kwargs["TMA_STORE"]) for c in kept]
     assert tiles == expected
     element_size = torch.empty(0, dtype=dtype).element_size()
     assert all(launch_rules._operand_bytes(c, element_size) <= shared_memory for c in kept)

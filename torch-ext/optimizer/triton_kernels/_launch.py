@@ -30,23 +30,30 @@ INTERPRETER_BLOCK_N = 128
 INTERPRETER_BLOCK_K = 128
 
 
-def _tiles(block_m: int, block_n: int, block_k: int, *, tma: bool = False, **launch: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "TMA": tma}, **launch,
-                         pre_hook=_size_descriptor_blocks)
+def _tiles(block_m: int, block_n: int, block_k: int, *, tma: bool = False, tma_store: bool = False,
+           **launch: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "TMA": tma,
+                          "TMA_STORE": tma_store}, **launch, pre_hook=_size_descriptor_blocks)
 
 
 def symmetric_tile_configs() -> list[triton.Config]:
-    """Output tiles BLOCK_M x BLOCK_N (BLOCK_N a multiple of BLOCK_M, for the mirror), a K step, and whether the
-    operands come through TMA descriptors. The first six are the candidates; the last two are for when none of them
-    fits the GPU's shared memory (fp32 operands, small GPUs)."""
+    """Output tiles BLOCK_M x BLOCK_N (BLOCK_N a multiple of BLOCK_M, for the mirror), a K step, whether the
+    operands come through TMA descriptors, and whether the tiles below the diagonal and their mirrors are written
+    through TMA descriptors too (`store_symmetric`). The first _CANDIDATES are the candidates; the last two are for
+    when none of them fits the GPU's shared memory (fp32 operands, small GPUs)."""
     if INTERPRETER:
         return [_tiles(INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K)]
     return [
         # The tiles of Triton's Hopper matmul tutorials, through TMA and through pointers: a 128x256 tile loads a
         # quarter fewer operand bytes per multiply-add than a 128x128 one. An H200 took the TMA 128x256 tile from 8192
         # rows, the TMA 128x128 one at 4096 and 64x64 ones below, through TMA but at 768 rows
-        # (benchmarks/results/nvidia-h200-2026-11-26.md).
+        # (benchmarks/results/nvidia-h200-2026-11-26.md). The TMA stores, and a fourth stage for the 128x256 tile,
+        # are what NVIDIA's tsyrk_ex, 1.5x faster there with the same main loop, does differently (its autotuner may
+        # take 2 to 4 stages); neither is timed on a GPU yet.
+        _tiles(128, 256, 64, tma=True, tma_store=True, num_warps=8, num_stages=4),
+        _tiles(128, 256, 64, tma=True, tma_store=True, num_warps=8, num_stages=3),
         _tiles(128, 256, 64, tma=True, num_warps=8, num_stages=3),
+        _tiles(128, 128, 64, tma=True, tma_store=True, num_warps=8, num_stages=4),
         _tiles(128, 128, 64, tma=True, num_warps=8, num_stages=4),
         _tiles(128, 256, 64, num_warps=8, num_stages=3),
         # What the autotuner chose on an H100 from 4096 rows on, before the TMA tiles (benchmarks/results/).
@@ -60,7 +67,7 @@ def symmetric_tile_configs() -> list[triton.Config]:
     ]
 
 
-_CANDIDATES = 6
+_CANDIDATES = 9
 # From this many rows even 128-row tiles give every SM of a large GPU several lower tiles, so the autotuner does not
 # compile and time the small-tile config there.
 SMALL_TILES_BELOW_ROWS = 4096
@@ -82,12 +89,14 @@ def _max_shared_memory() -> int:
 
 
 def prune_tile_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The candidates whose pipeline fits this GPU's shared memory and, for the TMA ones, whose operand has TMA
-    descriptors (else the fallbacks that fit), without the small tiles for large Gram matrices."""
+    """The candidates whose pipeline fits this GPU's shared memory and, for the TMA ones, whose operand (and output,
+    for TMA stores) has TMA descriptors (else the fallbacks that fit), without the small tiles for large Gram
+    matrices."""
     element_size = next(arg.element_size() for arg in named_args.values() if isinstance(arg, Tensor))
     limit = _max_shared_memory() - EPILOGUE_SHARED_BYTES
     fitting = [(index, config) for index, config in enumerate(configs)
-               if _operand_bytes(config, element_size) <= limit and (kwargs["TMA_READY"] or not config.kwargs["TMA"])]
+               if _operand_bytes(config, element_size) <= limit and (kwargs["TMA_READY"] or not config.kwargs["TMA"])
+               and (kwargs["TMA_STORE_READY"] or not config.kwargs["TMA_STORE"])]
     candidates = ([config for index, config in fitting if index < _CANDIDATES]
                   or [config for _, config in fitting] or configs[-1:])
     if named_args["M"] >= SMALL_TILES_BELOW_ROWS:
@@ -95,21 +104,22 @@ def prune_tile_configs(configs: list[triton.Config], named_args: dict, **kwargs)
     return candidates
 
 
-def operand_descriptors(operand: Tensor) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
-    """Two TMA descriptors of a (batch, m, k) operand, for the row blocks of the left and of the right factor (their
-    block shapes are set per config, by _size_descriptor_blocks), or (None, None) where TMA cannot read it: a GPU
-    before Hopper, a Triton without host descriptors, or a layout TMA cannot address (rows not contiguous, a stride
-    or the start not a multiple of 16 bytes)."""
-    if TensorDescriptor is None or not _has_tma(operand.device):
+def tma_descriptors(tensor: Tensor) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+    """Two TMA descriptors of a (batch, m, k) tensor, the kernels' operand or their output, for its blocks of two
+    shapes (an operand's row blocks of the left and of the right factor; an output's tiles and their mirrors: set per
+    config, by _size_descriptor_blocks), or (None, None) where TMA cannot address it: a GPU before Hopper, a Triton
+    without host descriptors, or a layout TMA cannot address (rows not contiguous, a stride or the start not a
+    multiple of 16 bytes)."""
+    if TensorDescriptor is None or not _has_tma(tensor.device):
         return None, None
-    batch, rows, cols = operand.shape
+    batch, rows, cols = tensor.shape
     # A lone matrix's batch stride is never used; give it one TMA accepts.
-    strides = [operand.stride(0) if batch > 1 else rows * operand.stride(1), operand.stride(1), operand.stride(2)]
-    element_size = operand.element_size()
-    aligned = operand.data_ptr() % 16 == 0 and all(stride * element_size % 16 == 0 for stride in strides[:2])
+    strides = [tensor.stride(0) if batch > 1 else rows * tensor.stride(1), tensor.stride(1), tensor.stride(2)]
+    element_size = tensor.element_size()
+    aligned = tensor.data_ptr() % 16 == 0 and all(stride * element_size % 16 == 0 for stride in strides[:2])
     if strides[2] != 1 or not aligned:
         return None, None
-    return tuple(TensorDescriptor(operand, [batch, rows, cols], strides, [1, 16, 16]) for _ in range(2))
+    return tuple(TensorDescriptor(tensor, [batch, rows, cols], strides, [1, 16, 16]) for _ in range(2))
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -119,10 +129,14 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def _size_descriptor_blocks(args: dict) -> None:
-    """The descriptors' block shapes for the config about to run (one row block of each factor per K step)."""
+    """The descriptors' block shapes for the config about to run: one row block of each factor per K step, and one
+    output tile and its mirror."""
     if args["left_desc"] is not None:
         args["left_desc"].block_shape = [1, args["BLOCK_M"], args["BLOCK_K"]]
         args["right_desc"].block_shape = [1, args["BLOCK_N"], args["BLOCK_K"]]
+    if args["tile_desc"] is not None:
+        args["tile_desc"].block_shape = [1, args["BLOCK_M"], args["BLOCK_N"]]
+        args["mirror_desc"].block_shape = [1, args["BLOCK_N"], args["BLOCK_M"]]
 
 
 def k_divides(k_name: str) -> Callable[[dict], bool]:

@@ -4,7 +4,9 @@ store that fills the tile and its mirror.
 An output tile is BLOCK_M rows by BLOCK_N = WIDTH * BLOCK_M columns. Wide tiles load fewer operand bytes per
 multiply-add (a 128x256 tile a quarter fewer than two 128x128 ones), which is what a Hopper GPU's tensor cores need to
 stay busy; on the diagonal they compute some upper elements the store then drops (1.5% of the tiles at 8192 rows).
-The mirror store only needs each tile's rows and columns, so nothing else cares about the tile's shape.
+The mirror store only needs each tile's rows and columns, so nothing else cares about the tile's shape. A tile wholly
+below the diagonal can go out through TMA descriptors, as two bulk copies from shared memory (one of its transpose),
+where the masked stores of a tile that crosses the diagonal take a store per element pair and a layout change.
 
 Programs walk the lower triangle row by row. A grouped (super-row) order is not used: consecutive programs already
 share their row block, and a wave of programs spans only about sqrt(2 * SM count) row blocks, whose K slices fit
@@ -126,3 +128,20 @@ def store_mirrored(dst, tile, row_tile, col_tile, M, stride_m, stride_n, BLOCK_M
     strictly_lower = (rows[None, :] < M) & (cols[:, None] < rows[None, :])
     mirror = dst + cols[:, None].to(tl.int64) * stride_m + rows[None, :] * stride_n
     tl.store(mirror, tl.trans(value), mask=strictly_lower)
+
+
+@triton.jit
+def store_symmetric(dst, tile_desc, mirror_desc, tile, batch, row_tile, col_tile, M, stride_m, stride_n,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr):
+    """`store_mirrored`, but with TMA_STORE a tile wholly below the diagonal and its transpose are written through
+    the output's descriptors (blocks of batch `batch`; TMA drops what lies outside the matrix)."""
+    if TMA_STORE:
+        if row_tile * BLOCK_M >= (col_tile + 1) * BLOCK_N:
+            value = tile.to(dst.dtype.element_ty)
+            tile_desc.store([batch, row_tile * BLOCK_M, col_tile * BLOCK_N], value.reshape(1, BLOCK_M, BLOCK_N))
+            mirror_desc.store([batch, col_tile * BLOCK_N, row_tile * BLOCK_M],
+                              tl.trans(value).reshape(1, BLOCK_N, BLOCK_M))
+        else:
+            store_mirrored(dst, tile, row_tile, col_tile, M, stride_m, stride_n, BLOCK_M, BLOCK_N)
+    else:
+        store_mirrored(dst, tile, row_tile, col_tile, M, stride_m, stride_n, BLOCK_M, BLOCK_N)

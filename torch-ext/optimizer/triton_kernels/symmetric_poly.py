@@ -9,11 +9,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import (as_batched, check_operand, dot_flags, gram_output, k_divides, lower_tile_grid,
-                      operand_descriptors, prune_tile_configs, symmetric_tile_configs)
-from ._tiling import gram_tile, load_tile_fp32, lower_tile_coords, store_mirrored
+                      prune_tile_configs, symmetric_tile_configs, tma_descriptors)
+from ._tiling import gram_tile, load_tile_fp32, lower_tile_coords, store_symmetric
 
 
-@triton.autotune(configs=symmetric_tile_configs(), key=["M", "TMA_READY"],
+@triton.autotune(configs=symmetric_tile_configs(), key=["M", "TMA_READY", "TMA_STORE_READY"],
                  prune_configs_by={"early_config_prune": prune_tile_configs})
 @triton.heuristics({"EVEN_K": k_divides("M")})
 @triton.jit
@@ -22,6 +22,8 @@ def _ba_plus_caa_lower_kernel(
     left_desc,
     right_desc,
     out_ptr,
+    tile_desc,
+    mirror_desc,
     b,
     c,
     M,
@@ -32,12 +34,14 @@ def _ba_plus_caa_lower_kernel(
     stride_om,
     stride_on,
     TMA_READY: tl.constexpr,
+    TMA_STORE_READY: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TMA: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
     row_tile, col_tile = lower_tile_coords(tl.program_id(0), BLOCK_N // BLOCK_M)
@@ -49,7 +53,8 @@ def _ba_plus_caa_lower_kernel(
     linear = load_tile_fp32(matrix, row_tile, col_tile, M, stride_am, stride_an, BLOCK_M, BLOCK_N)
     result = b * linear + c * square
     out = out_ptr + batch.to(tl.int64) * stride_ob
-    store_mirrored(out, result, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M, BLOCK_N)
+    store_symmetric(out, tile_desc, mirror_desc, result, batch, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M,
+                    BLOCK_N, TMA_STORE)
 
 
 def ba_plus_caa(A: Tensor, b: float, c: float, out: Tensor | None = None, *, exact_fp32: bool = False) -> Tensor:
@@ -65,9 +70,10 @@ def ba_plus_caa(A: Tensor, b: float, c: float, out: Tensor | None = None, *, exa
         return result
     a3, out3 = as_batched(A), as_batched(result)
     batch, m, _ = a3.shape
-    left_desc, right_desc = operand_descriptors(a3)
+    left_desc, right_desc = tma_descriptors(a3)
+    tile_desc, mirror_desc = tma_descriptors(out3)
     _ba_plus_caa_lower_kernel[lower_tile_grid(m, batch)](
-        a3, left_desc, right_desc, out3, float(b), float(c), m, *a3.stride(), *out3.stride(),
-        TMA_READY=left_desc is not None, **dot_flags(A.dtype, exact_fp32)
+        a3, left_desc, right_desc, out3, tile_desc, mirror_desc, float(b), float(c), m, *a3.stride(), *out3.stride(),
+        TMA_READY=left_desc is not None, TMA_STORE_READY=tile_desc is not None, **dot_flags(A.dtype, exact_fp32)
     )
     return result

@@ -7,11 +7,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import (as_batched, check_operand, dot_flags, gram_output, k_divides, lower_tile_grid,
-                      operand_descriptors, prune_tile_configs, symmetric_tile_configs)
-from ._tiling import gram_tile, lower_tile_coords, store_mirrored
+                      prune_tile_configs, symmetric_tile_configs, tma_descriptors)
+from ._tiling import gram_tile, lower_tile_coords, store_symmetric
 
 
-@triton.autotune(configs=symmetric_tile_configs(), key=["M", "K", "TMA_READY"],
+@triton.autotune(configs=symmetric_tile_configs(), key=["M", "K", "TMA_READY", "TMA_STORE_READY"],
                  prune_configs_by={"early_config_prune": prune_tile_configs})
 @triton.heuristics({"EVEN_K": k_divides("K")})
 @triton.jit
@@ -20,6 +20,8 @@ def _xxt_lower_kernel(
     left_desc,
     right_desc,
     out_ptr,
+    tile_desc,
+    mirror_desc,
     M,
     K,
     stride_xb,
@@ -29,12 +31,14 @@ def _xxt_lower_kernel(
     stride_om,
     stride_on,
     TMA_READY: tl.constexpr,
+    TMA_STORE_READY: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TMA: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
     row_tile, col_tile = lower_tile_coords(tl.program_id(0), BLOCK_N // BLOCK_M)
@@ -43,7 +47,8 @@ def _xxt_lower_kernel(
     gram = gram_tile(x, left_desc, right_desc, batch, row_tile, col_tile, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_N,
                      BLOCK_K, EVEN_K, TMA, UPCAST_DOT, IEEE_FP32)
     out = out_ptr + batch.to(tl.int64) * stride_ob
-    store_mirrored(out, gram, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M, BLOCK_N)
+    store_symmetric(out, tile_desc, mirror_desc, gram, batch, row_tile, col_tile, M, stride_om, stride_on, BLOCK_M,
+                    BLOCK_N, TMA_STORE)
 
 
 def xxt(X: Tensor, out: Tensor | None = None, *, exact_fp32: bool = False) -> Tensor:
@@ -55,9 +60,10 @@ def xxt(X: Tensor, out: Tensor | None = None, *, exact_fp32: bool = False) -> Te
         return result
     x3, out3 = as_batched(X), as_batched(result)
     batch, m, n = x3.shape
-    left_desc, right_desc = operand_descriptors(x3)
+    left_desc, right_desc = tma_descriptors(x3)
+    tile_desc, mirror_desc = tma_descriptors(out3)
     _xxt_lower_kernel[lower_tile_grid(m, batch)](
-        x3, left_desc, right_desc, out3, m, n, *x3.stride(), *out3.stride(), TMA_READY=left_desc is not None,
-        **dot_flags(X.dtype, exact_fp32)
+        x3, left_desc, right_desc, out3, tile_desc, mirror_desc, m, n, *x3.stride(), *out3.stride(),
+        TMA_READY=left_desc is not None, TMA_STORE_READY=tile_desc is not None, **dot_flags(X.dtype, exact_fp32)
     )
     return result
