@@ -6,7 +6,9 @@
 # GPT-2-small step (ours and torch's: operators, kernel launches, host time per operator) land in OUTDIR too (twelve
 # files in all). Stages run in the order listed below; the tests of the files with GPU cases come right after the
 # build, the rest of the suite last. The test stage includes the notebook (tests/test_notebook.py: nbclient,
-# nbformat, ipykernel) and the get_kernel + LOCAL_KERNELS load, so those must be installed too.
+# nbformat, ipykernel) and the get_kernel + LOCAL_KERNELS load, so those must be installed too: wheels found in .whl/
+# (kernels, the Jupyter packages, the peers measured beside us, the workflow linters, downloaded where an index can be
+# reached: the GPU machine cannot reach one) are installed beside the machine's own torch first.
 #   benchmarks/gpu_first_light.sh OUTDIR [stage,...]   (stages: build,gpu-tests,bench,check,ncu,profile,demo,hub,test)
 # BENCH_SECTIONS=step (say) narrows the bench stage to bench.py's sections named, where the others were measured. One
 # more stage runs only when named: ncu (benchmarks/gram_kernel_profile.py under Nsight Compute).
@@ -49,6 +51,12 @@ xdist=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n $workers --dist loadfile
 pytest=("$PY" -m pytest -v -rfE -p no:cacheprovider --durations=15 $xdist)
 gpu_files=$(grep -l -E "cuda\.is_available|HAS_CUDA|triton_under_test" tests/test_*.py)
 
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site=${TMPDIR:-/tmp}/optimizer-site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    >>"$out/summary.txt" 2>&1
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+fi
 environment >>"$out/summary.txt" 2>&1
 stage build 400 "$PY" tools/build.py
 stage gpu-tests 300 "${pytest[@]}" $gpu_files

