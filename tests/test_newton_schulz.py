@@ -21,6 +21,9 @@ from optimizer.workspace import Workspace  # noqa: E402
 
 KELLER_JORDAN = (3.4445, -4.7750, 2.0315)
 DESIGN_LOWER_BOUND = 1e-3  # the smallest normalized singular value the default Polar Express schedule targets
+# Past the lone-matrix size, so a matrix newton_schulz iterates in buffers it reuses from step to step.
+LARGE = (520, 1024)
+assert math.prod(LARGE) > newton_schulz_module._LONE_MATRIX_NUMEL
 
 
 def matrix_with_spectrum(rows: int, cols: int, smallest: float, largest: float, seed: int = 0):
@@ -54,7 +57,7 @@ def random_matrix(*shape: int, dtype=torch.float32, seed: int = 0) -> torch.Tens
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
-@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (50, 50), (33, 17), (1, 20), (20, 1)])
+@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (50, 50), (33, 17), (1, 20), (20, 1), LARGE, LARGE[::-1]])
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("steps", [1, 5])
 def test_original_preset_in_bf16_matches_torch_muon_bit_for_bit(shape, input_dtype, steps):
@@ -322,7 +325,7 @@ GRAM_BOUNDS = {(torch.float32, 10.0): 1e-4,  # standard [7e-6], gram [1e-5]
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("condition", [10.0, 1e3, 1e6])
-@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128), (4, 48, 96)])
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128), (4, 48, 96), LARGE])
 def test_both_algorithms_apply_the_composed_polynomial(algorithm, dtype, condition, shape):
     G, expected = batch_with_spectrum(shape, condition)
     out = zeropower(G.float(), 5, "polar_express", dtype=dtype, algorithm=algorithm).double()
@@ -441,8 +444,9 @@ def aol_truth(G: torch.Tensor, steps: int) -> torch.Tensor:
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
 @pytest.mark.parametrize("steps", [4, 5])
 @pytest.mark.parametrize("condition", [10.0, 1e3, 1e6])
-def test_aol_applies_its_schedule_to_the_row_scaled_matrix(algorithm, steps, condition):
-    G, _ = batch_with_spectrum((48, 160), condition)
+@pytest.mark.parametrize("shape", [(48, 160), LARGE])
+def test_aol_applies_its_schedule_to_the_row_scaled_matrix(algorithm, steps, condition, shape):
+    G, _ = batch_with_spectrum(shape, condition)
     out = zeropower(G, steps, "polar_express", dtype=torch.float64, algorithm=algorithm, preconditioner="aol")
     assert spectral_norm(out - aol_truth(G, steps)) <= 1e-8
 
@@ -476,7 +480,7 @@ def test_aol_keeps_zero_and_rank_deficient_input_finite(dtype):
 
 
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
-@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 24, 40), (3, 40, 24)])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 24, 40), (3, 40, 24), LARGE])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_option_leaves_the_input_as_it_was(algorithm, shape, dtype):
     """zeropower's G is the caller's, in any layout and whether or not it is already in the iteration's dtype: AOL

@@ -22,7 +22,8 @@ _MAX_STEPS = 100
 # A stack of one matrix up to this size (an optimizer's bucket of one small parameter) runs as that matrix: its 2D
 # products take no batch views and no workspace blocks, which saved 0.18-0.29 ms per call from 10x256 to 256x784 in
 # bf16 (0.45 against 0.27 ms at 10x256; torch.optim.Muon's own routine 0.24), up to 512x1024; from 512x2048 the
-# workspace's reused blocks paid more (2-core AMD EPYC).
+# workspace's reused blocks paid more (2-core AMD EPYC). A larger matrix, in a stack or alone, iterates in reused
+# buffers (see `_Buffers`).
 _LONE_MATRIX_NUMEL = 2**19
 
 
@@ -288,11 +289,14 @@ def _shifted_product(P: Tensor, shift: float, Y: Tensor, out: Tensor | None) -> 
 
 class _Buffers:
     """The tensors one Newton-Schulz call writes step after step, by name, each taken once from the workspace and
-    then reused, for a batch on the CPU outside torch.compile (see `Workspace`); elsewhere `get` is None and each
-    product allocates."""
+    then reused, for a batch, or a matrix past _LONE_MATRIX_NUMEL entries, on the CPU outside torch.compile (see
+    `Workspace`); elsewhere `get` is None and each product allocates. A lone matrix that size otherwise faults its
+    fresh products in page by page: zeropower of a 768x768 matrix in bf16 faulted in 1335 pages per call with a new
+    tensor per product and 168 with the buffers, and took 18.5 against 20.2 ms; 1024x4096: 62.6 against 65.6 ms
+    (paired, 2-core Xeon with AMX)."""
 
     def __init__(self, X: Tensor, workspace: Workspace | None) -> None:
-        self.enabled = X.ndim == 3 and Workspace.serves(X.device)
+        self.enabled = (X.ndim == 3 or X.numel() > _LONE_MATRIX_NUMEL) and Workspace.serves(X.device)
         self.workspace = workspace or Workspace()
         self.device = X.device
         self.taken: dict[str, Tensor] = {}
@@ -326,18 +330,18 @@ def _standard_iteration(X: Tensor, gram: Tensor | None, coefficients: Sequence[C
 
 
 def _scaled_plus_product(X: Tensor, P: Tensor, a: float, out: Tensor | None = None) -> Tensor:
-    """a*X + P @ X for one matrix or a batch, into `out` if given (CPU batches; P is then overwritten).
+    """a*X + P @ X for one matrix or a batch, into `out` if given (on CPUs; a batch's P is then overwritten).
 
-    A 2D X takes torch.optim.Muon's operation (so its rounding). Into `out`, float32 and float64 compute (P + a I) X:
-    one product that never reads X elementwise (a transposed X, as a tall matrix's first step has, is read only by
-    the BLAS, which takes transposed operands at full speed, where an elementwise pass over it measured ~8 ms per
-    768 x 3072 float32 matrix); 16-bit keeps `baddbmm`'s a X, because P + a I rounded to bf16 (a is up to 8) made the
-    result 4x farther from the float64 iteration's. `baddbmm` first copies X into `out` (a tenth of GPT-2 small's
-    bf16 step on a 2-core Xeon); carrying the factor outside X instead (Y <- (I + P / a) Y, a <- a * scale: no copy)
-    made that step 1.09x faster, as near the polar factor, but 2-4% away from torch.optim.Muon's results, which a
-    batch matches bit for bit this way."""
+    A 2D X takes torch.optim.Muon's operation (so its rounding). Into a batch's `out`, float32 and float64 compute
+    (P + a I) X: one product that never reads X elementwise (a transposed X, as a tall matrix's first step has, is
+    read only by the BLAS, which takes transposed operands at full speed, where an elementwise pass over it measured
+    ~8 ms per 768 x 3072 float32 matrix); 16-bit keeps `baddbmm`'s a X, because P + a I rounded to bf16 (a is up to
+    8) made the result 4x farther from the float64 iteration's. `baddbmm` first copies X into `out` (a tenth of
+    GPT-2 small's bf16 step on a 2-core Xeon); carrying the factor outside X instead (Y <- (I + P / a) Y, a <- a *
+    scale: no copy) made that step 1.09x faster, as near the polar factor, but 2-4% away from torch.optim.Muon's
+    results, which a batch matches bit for bit this way."""
     if X.ndim == 2:
-        return torch.addmm(X, P, X, beta=a)
+        return torch.addmm(X, P, X, beta=a, out=out)
     if out is None:
         return torch.baddbmm(X, P, X, beta=a)
     if X.element_size() <= 2:
@@ -347,10 +351,10 @@ def _scaled_plus_product(X: Tensor, P: Tensor, a: float, out: Tensor | None = No
 
 
 def _product(P: Tensor, X: Tensor, out: Tensor | None) -> Tensor:
-    """P @ X, into `out` if given (CPU batches: float32 and float64 one `mm` per matrix, which measured as fast as
-    `bmm` on a Xeon and 10-25% faster than MKL's batched entry point on an AMD EPYC; 16-bit one `bmm`, which oneDNN
-    spreads over the threads, 2x a loop's speed on (12, 768, 768) bf16)."""
-    if out is None or X.element_size() <= 2:
+    """P @ X, into `out` if given (on CPUs; a matrix: one `mm`; batches: float32 and float64 one `mm` per matrix,
+    which measured as fast as `bmm` on a Xeon and 10-25% faster than MKL's batched entry point on an AMD EPYC;
+    16-bit one `bmm`, which oneDNN spreads over the threads, 2x a loop's speed on (12, 768, 768) bf16)."""
+    if out is None or X.element_size() <= 2 or X.ndim == 2:
         return matmul(P, X, out=out)
     for p, x, result in zip(P.unbind(), X.unbind(), out.unbind()):
         torch.mm(p, x, out=result)
