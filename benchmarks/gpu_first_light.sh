@@ -42,6 +42,14 @@ torch.cuda.get_device_capability())'
   command -v nvcc && nvcc --version | tail -n 2
 }
 
+# The carried wheels first, so that what they bring (pytest-xdist among them, if carried) is found below.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site=${TMPDIR:-/tmp}/optimizer-site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    >>"$out/summary.txt" 2>&1
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+fi
+
 # pytest-xdist, where installed, compiles the Triton kernels of several test files at once; one file per worker
 # keeps each distributed file's spawned ranks together; half the cores, since those ranks need cores of their own.
 workers=$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))
@@ -51,12 +59,6 @@ xdist=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n $workers --dist loadfile
 pytest=("$PY" -m pytest -v -rfE -p no:cacheprovider --durations=15 $xdist)
 gpu_files=$(grep -l -E "cuda\.is_available|HAS_CUDA|triton_under_test" tests/test_*.py)
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  site=${TMPDIR:-/tmp}/optimizer-site
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-    >>"$out/summary.txt" 2>&1
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
-fi
 environment >>"$out/summary.txt" 2>&1
 stage build 400 "$PY" tools/build.py
 stage gpu-tests 300 "${pytest[@]}" $gpu_files
