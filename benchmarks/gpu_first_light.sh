@@ -54,14 +54,17 @@ fi
 # keeps each distributed file's spawned ranks together; half the cores, since those ranks need cores of their own.
 workers=$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))
 xdist=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n $workers --dist loadfile")
+# No file with GPU cases spawns ranks, so their tests are spread one by one: by file, test_compile.py alone (its CPU
+# inductor builds) held one worker for about 170 of that stage's 256 s on the H200.
+spread=${xdist/loadfile/load}
 # Each test's name and outcome as it ends (-v), so a run cut off by the machine's time limit still names its failures.
 # The files with GPU cases run first, as a stage of their own, so they finish inside such a limit.
-pytest=("$PY" -m pytest -v -rfE -p no:cacheprovider --durations=15 $xdist)
+pytest=("$PY" -m pytest -v -rfE -p no:cacheprovider --durations=15)
 gpu_files=$(grep -l -E "cuda\.is_available|HAS_CUDA|triton_under_test" tests/test_*.py)
 
 environment >>"$out/summary.txt" 2>&1
 stage build 400 "$PY" tools/build.py
-stage gpu-tests 300 "${pytest[@]}" $gpu_files
+stage gpu-tests 300 "${pytest[@]}" $spread $gpu_files
 stage bench 400 "$PY" benchmarks/bench.py --sections "${BENCH_SECTIONS:-gram,zeropower,step}" --results-dir "$out"
 stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
 # Only when asked for (Nsight Compute's `ncu`): the hardware counters of our Gram kernel (with and without TMA stores)
@@ -72,5 +75,5 @@ stage ncu 200 "${NCU:-ncu}" --nvtx --nvtx-include "measure/" --section SpeedOfLi
 stage profile 120 "$PY" benchmarks/step_profile.py --out "$out/step_profile.md"
 stage demo 120 "$PY" examples/train_gpt.py --device cuda --out "${TMPDIR:-/tmp}/optimizer-demo"
 stage hub 300 "$PY" -c 'import sys; from kernels.cli import main; sys.argv = ["kernels", "benchmark", "."]; main()'
-stage test 500 "${pytest[@]}" tests $(printf -- "--ignore=%s " $gpu_files)
+stage test 500 "${pytest[@]}" $xdist tests $(printf -- "--ignore=%s " $gpu_files)
 exit $status

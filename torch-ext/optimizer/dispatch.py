@@ -25,12 +25,12 @@ BACKENDS: tuple[str, ...] = ("torch", "cpu", "cuda", "triton")
 # saves half the multiply-adds, but small tiles run below the BLAS's peak. Measured with `make bench` (README).
 CPU_MIN_ROWS = 512
 # Rows from which the Triton kernels beat cuBLAS, per CUDA capability, from `make bench` on the GPU
-# (benchmarks/results/nvidia-h200-2026-11-26.md, the 128x256 and TMA tiles). On an H200 Triton's Gram products ran
-# 1.11x as fast as cuBLAS's at 4096 rows (4096x16384: 1.51x), 1.18-1.29x from 8192, and its 5-step Newton-Schulz
-# 1.11-1.12x at 4096 rows; at 2048 rows and below 0.1-0.4x. A capability not listed has not been measured and keeps
-# cuBLAS, so the automatic choice is never slower than cuBLAS where nobody looked. The compiled CUDA op (WMMA tiles,
-# no wgmma) ran its Gram products at 0.15-0.40x of cuBLAS's speed at every size on an H100 and an H200: it is never
-# chosen automatically (backend="cuda" forces it).
+# (benchmarks/results/nvidia-h200-2026-11-26-tma-stores.md: 128x256 tiles, TMA loads and stores). On an H200
+# Triton's Gram products ran 1.49x as fast as cuBLAS's at 4096 rows (4096x16384: 1.76x), 1.55-1.69x from 8192, and
+# its 5-step Newton-Schulz 1.28x at 4096 rows; at 2048 rows and below 0.08-0.30x. A capability not listed has not
+# been measured and keeps cuBLAS, so the automatic choice is never slower than cuBLAS where nobody looked. The
+# compiled CUDA op (WMMA tiles, no wgmma) ran its Gram products at 0.14-0.40x of cuBLAS's speed at every size on an
+# H100 and an H200: it is never chosen automatically (backend="cuda" forces it).
 TRITON_MIN_ROWS: dict[tuple[int, int], int] = {(9, 0): 4096}
 
 _COMPILED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

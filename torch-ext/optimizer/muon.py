@@ -567,15 +567,27 @@ class Muon(Optimizer):
                                  f"{tuple(saved.shape)} (from another normalization: delete state['update_sq'] and "
                                  "state['update_step'] to start it afresh)")
 
+    def _init_group(self, group: dict[str, Any]) -> None:
+        """The state of the group's parameters with gradients, made ready for this step (`_prepared_state`). The name
+        is torch's optimizers' own: torch.compile runs a method so named eagerly while it traces `step`, and takes the
+        state it leaves as fixed addresses. A CUDA graph of the step then updates that state in place; created inside
+        the graph instead, it would be among the graph's outputs, which the next replay overwrites. The saved second
+        moments are checked here, as the state is read only here before the update: a group refused leaves the groups
+        before it with their state made, which is all a step would have done to it, and every parameter as it was."""
+        self._check_normalization_state(group)
+        for param in group["params"]:
+            if param.grad is not None:
+                self._prepared_state(group, param, self._uses_muon(group, param))
+
     def _gather(self, group: dict[str, Any]) -> tuple[list[MuonTensors], list[AdamWTensors]]:
-        """The group's parameters with gradients, with lazily created state (inputs already checked)."""
+        """The group's parameters with gradients, with their state (made ready by `_init_group`)."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
         for param in group["params"]:
             if param.grad is None:
                 continue
             uses_muon = self._uses_muon(group, param)
-            state = self._prepared_state(group, param, uses_muon)
+            state = self.state[param]
             rounding_count = state.get("rounding_count") if rounds_stochastically(group["state_dtype"]) else None
             if uses_muon:
                 item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"],
@@ -690,7 +702,8 @@ class Muon(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             self._check_step_inputs(group)
-            self._check_normalization_state(group)
+        for group in self.param_groups:
+            self._init_group(group)
         gathered = [self._gather(group) for group in self.param_groups]
         for group, (muon_items, _) in zip(self.param_groups, gathered):
             self._muon_step(group, muon_items)
