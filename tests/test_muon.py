@@ -132,10 +132,10 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
     launches = []
-    launch = functional.adamw_flagged_
-    monkeypatch.setattr(functional, "adamw_flagged_",
-                        lambda params, *args, **kwargs: launches.append([p.dtype for p in params])
-                        or launch(params, *args, **kwargs))
+    launch = functional.launch_adamw_
+    monkeypatch.setattr(functional, "launch_adamw_",
+                        lambda tensors, *args, **kwargs: launches.append([row[0].dtype for row in tensors])
+                        or launch(tensors, *args, **kwargs))
     torch.manual_seed(0)
     wide, longer = torch.randn(9, 7), torch.randn(17)
     # The last two: a transposed view, and a contiguous view starting 4 bytes into its storage.
@@ -162,7 +162,7 @@ def test_a_one_launch_kernel_that_fails_to_build_hands_adamw_to_torch_once_and_f
         attempts.append(1)
         raise RuntimeError("PTX assembly failed")  # as a Triton that cannot compile the kernel for this GPU raises
 
-    monkeypatch.setattr(functional, "adamw_flagged_", failing_build)
+    monkeypatch.setattr(functional, "launch_adamw_", failing_build)
     torch.manual_seed(0)
     ours = [torch.randn(37), torch.randn(16).bfloat16(), torch.randn(5, 3)]
     with pytest.warns(RuntimeWarning, match="one-launch AdamW kernel failed on cpu.*PTX assembly failed"):

@@ -23,7 +23,7 @@ from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
-from .triton_kernels import TRITON_AVAILABLE, adamw_flagged_, adamw_takes
+from .triton_kernels import TRITON_AVAILABLE, launch_adamw_, launchable
 from .workspace import Workspace
 
 T = TypeVar("T")
@@ -303,9 +303,10 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr:
         left = _adamw_one_launch_(items, found_inf, **settings)
     else:
         left = list(range(len(items)))
-    flags = found_inf.unbind()
-    for index in left:
-        _fused_adamw_one_(items[index], flags[index], **settings)
+    if left:
+        flags = found_inf.unbind()
+        for index in left:
+            _fused_adamw_one_(items[index], flags[index], **settings)
 
 
 def one_launch_serves(device_type: str) -> bool:
@@ -331,13 +332,10 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: 
             left.append(index)
     groups = list(by_dtype.values())
     for done, indices in enumerate(groups):
-        group = [items[i] for i in indices]
         skipped = found_inf if len(indices) == len(items) else found_inf[indices]
         try:
-            adamw_flagged_([item.param for item in group], [item.grad for item in group],
-                           [item.exp_avg for item in group], [item.exp_avg_sq for item in group],
-                           [item.step for item in group], skipped, lr=lr, betas=betas, eps=eps,
-                           weight_decay=weight_decay)
+            launch_adamw_([(items[i].param, items[i].grad, items[i].exp_avg, items[i].exp_avg_sq, items[i].step)
+                           for i in indices], skipped, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
@@ -351,14 +349,8 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: 
 
 
 def _fits_one_launch(item: AdamWTensors) -> bool:
-    """Whether the one-launch kernel takes this parameter: moments stored as they are, and parameter, gradient and
-    moments contiguous, 16-byte aligned, of one shape and of one dtype it supports."""
-    param = item.param
-    tensors = (param, item.grad, item.exp_avg, item.exp_avg_sq)
-    return (item.rounding_count is None and param.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(tensor.dtype == param.dtype and tensor.shape == param.shape and adamw_takes(tensor)
-                    for tensor in tensors)
-            and item.step.dtype == torch.float32)
+    """Whether the one-launch kernel takes this parameter: moments stored as they are, and what `launchable` asks."""
+    return item.rounding_count is None and launchable(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step)
 
 
 def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:

@@ -12,10 +12,10 @@ else:
     TRITON_AVAILABLE = True
 
 if TRITON_AVAILABLE:
-    from .adamw import adamw_flagged_, adamw_takes
+    from .adamw import adamw_flagged_, launch_adamw_, launchable
     from .symmetric_poly import ba_plus_caa
     from .xxt import xxt
 else:
-    from ._without_triton import adamw_flagged_, adamw_takes, ba_plus_caa, xxt
+    from ._without_triton import adamw_flagged_, ba_plus_caa, launch_adamw_, launchable, xxt
 
-__all__ = ["TRITON_AVAILABLE", "adamw_flagged_", "adamw_takes", "ba_plus_caa", "xxt"]
+__all__ = ["TRITON_AVAILABLE", "adamw_flagged_", "ba_plus_caa", "launch_adamw_", "launchable", "xxt"]

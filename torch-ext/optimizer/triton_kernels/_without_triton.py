@@ -23,5 +23,10 @@ def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: 
     raise RuntimeError(_MISSING.format(name="adamw_flagged_"))
 
 
-def adamw_takes(tensor: Tensor) -> bool:
-    raise RuntimeError(_MISSING.format(name="adamw_takes"))
+def launch_adamw_(tensors: Sequence[tuple[Tensor, ...]], skipped: Tensor, *, lr: float | Tensor,
+                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    raise RuntimeError(_MISSING.format(name="launch_adamw_"))
+
+
+def launchable(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor) -> bool:
+    raise RuntimeError(_MISSING.format(name="launchable"))
