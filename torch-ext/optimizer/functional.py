@@ -23,7 +23,7 @@ from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
-from .triton_kernels import TRITON_AVAILABLE, launch_adamw_, launchable
+from .triton_kernels import TRITON_AVAILABLE, launch_adamw_, launch_adamw_rounded_, launchable, launchable_rounded
 from .workspace import Workspace
 
 T = TypeVar("T")
@@ -320,22 +320,32 @@ def one_launch_serves(device_type: str) -> bool:
 
 def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: LearningRate,
                        betas: tuple[float, float], eps: float, weight_decay: float) -> list[int]:
-    """The parameters `_fits_one_launch` takes, through the Triton kernel in one launch per dtype, each with its skip
-    flag; returns the indices of the others. Where the kernel fails to build or launch (nothing written then), says
-    so once and returns the indices it had not done, for torch's fused kernel, now and at every later step."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    """The parameters the Triton kernels take, in one launch per dtype and stored form of their moments, each with its
+    skip flag: those `_fits_one_launch` takes, and those whose moments are stored rounded that `_fits_rounded_launch`
+    takes (their rounding counts then move by the flags). Returns the indices of the others. Where a kernel fails to
+    build or launch (nothing written then), says so once and returns the indices it had not done, for torch's fused
+    kernel, now and at every later step."""
+    groups: dict[tuple[torch.dtype, torch.dtype | None], list[int]] = {}
     left = []
     for index, item in enumerate(items):
         if _fits_one_launch(item):
-            by_dtype.setdefault(item.param.dtype, []).append(index)
+            groups.setdefault((item.param.dtype, None), []).append(index)
+        elif _fits_rounded_launch(item):
+            groups.setdefault((item.param.dtype, item.exp_avg.dtype), []).append(index)
         else:
             left.append(index)
-    groups = list(by_dtype.values())
-    for done, indices in enumerate(groups):
+    settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    for done, ((_, stored), indices) in enumerate(groups.items()):
         skipped = found_inf if len(indices) == len(items) else found_inf[indices]
+        group = [items[i] for i in indices]
         try:
-            launch_adamw_([(items[i].param, items[i].grad, items[i].exp_avg, items[i].exp_avg_sq, items[i].step)
-                           for i in indices], skipped, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            if stored is None:
+                launch_adamw_([(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step) for item in group],
+                              skipped, **settings)
+            else:
+                launch_adamw_rounded_([(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step,
+                                        item.rounding_count, item.exp_avg_scales, item.exp_avg_sq_scales)
+                                       for item in group], skipped, **settings)
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
@@ -344,13 +354,23 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: 
             warnings.warn(f"the one-launch AdamW kernel failed on {device} ({error!r}); AdamW-routed parameters go "
                           "through torch's fused AdamW kernel, one call per parameter, from now on", RuntimeWarning,
                           stacklevel=2)
-            return left + [index for indices in groups[done:] for index in indices]
+            return left + [index for indices in list(groups.values())[done:] for index in indices]
+        if stored is not None:
+            advance_counts_([item.rounding_count for item in group], 1.0 - skipped)
     return left
 
 
 def _fits_one_launch(item: AdamWTensors) -> bool:
     """Whether the one-launch kernel takes this parameter: moments stored as they are, and what `launchable` asks."""
     return item.rounding_count is None and launchable(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step)
+
+
+def _fits_rounded_launch(item: AdamWTensors) -> bool:
+    """Whether the rounded one-launch kernel takes this parameter: moments stored rounded, of a whole tensor (a shard's
+    entries have positions of their own), and what `launchable_rounded` asks."""
+    return (item.rounding_count is not None and item.rounding_positions is None
+            and launchable_rounded(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step,
+                                   item.rounding_count, item.exp_avg_scales, item.exp_avg_sq_scales))
 
 
 def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:

@@ -1,5 +1,5 @@
 """Triton kernels: for Newton-Schulz, X X^T and b*A + c*A@A computing only lower tiles (they exploit symmetry); for
-the AdamW part, one launch over many tensors with a skip flag per tensor.
+the AdamW part, one launch over many tensors with a skip flag per tensor (moments stored as they are, or rounded).
 
 Triton is optional: without it `TRITON_AVAILABLE` is False and the launchers raise a RuntimeError when called.
 """
@@ -12,10 +12,12 @@ else:
     TRITON_AVAILABLE = True
 
 if TRITON_AVAILABLE:
-    from .adamw import adamw_flagged_, launch_adamw_, launchable
+    from .adamw import adamw_flagged_, launch_adamw_, launch_adamw_rounded_, launchable, launchable_rounded
     from .symmetric_poly import ba_plus_caa
     from .xxt import xxt
 else:
-    from ._without_triton import adamw_flagged_, ba_plus_caa, launch_adamw_, launchable, xxt
+    from ._without_triton import (adamw_flagged_, ba_plus_caa, launch_adamw_, launch_adamw_rounded_, launchable,
+                                  launchable_rounded, xxt)
 
-__all__ = ["TRITON_AVAILABLE", "adamw_flagged_", "ba_plus_caa", "launch_adamw_", "launchable", "xxt"]
+__all__ = ["TRITON_AVAILABLE", "adamw_flagged_", "ba_plus_caa", "launch_adamw_", "launch_adamw_rounded_", "launchable",
+           "launchable_rounded", "xxt"]

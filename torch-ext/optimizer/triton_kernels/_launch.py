@@ -45,11 +45,10 @@ def symmetric_tile_configs() -> list[triton.Config]:
         return [_tiles(INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K)]
     return [
         # The tiles of Triton's Hopper matmul tutorials, through TMA and through pointers: a 128x256 tile loads a
-        # quarter fewer operand bytes per multiply-add than a 128x128 one. An H200 took the TMA 128x256 tile from 8192
-        # rows, the TMA 128x128 one at 4096 and 64x64 ones below, through TMA but at 768 rows
-        # (benchmarks/results/nvidia-h200-2026-11-26.md). The TMA stores, and a fourth stage for the 128x256 tile,
-        # are what NVIDIA's tsyrk_ex, 1.5x faster there with the same main loop, does differently (its autotuner may
-        # take 2 to 4 stages); neither is timed on a GPU yet.
+        # quarter fewer operand bytes per multiply-add than a 128x128 one. With the TMA stores (what NVIDIA's tsyrk_ex
+        # did differently with the same main loop), an H200 took the TMA-store 128x256 tiles from 8192 rows (three or
+        # four stages), the four-stage TMA-store 128x128 one from 2048 and 64x64 ones with masked stores below
+        # (benchmarks/results/nvidia-h200-2026-11-26-tma-stores.md): 1.27x -> 1.69x cuBLAS's speed at 8192 rows.
         _tiles(128, 256, 64, tma=True, tma_store=True, num_warps=8, num_stages=4),
         _tiles(128, 256, 64, tma=True, tma_store=True, num_warps=8, num_stages=3),
         _tiles(128, 256, 64, tma=True, num_warps=8, num_stages=3),

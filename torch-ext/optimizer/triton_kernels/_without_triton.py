@@ -30,3 +30,13 @@ def launch_adamw_(tensors: Sequence[tuple[Tensor, ...]], skipped: Tensor, *, lr:
 
 def launchable(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor) -> bool:
     raise RuntimeError(_MISSING.format(name="launchable"))
+
+
+def launch_adamw_rounded_(tensors: Sequence[tuple[Tensor | None, ...]], skipped: Tensor, *, lr: float | Tensor,
+                          betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    raise RuntimeError(_MISSING.format(name="launch_adamw_rounded_"))
+
+
+def launchable_rounded(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor,
+                       rounding_count: Tensor, exp_avg_scales: Tensor | None, exp_avg_sq_scales: Tensor | None) -> bool:
+    raise RuntimeError(_MISSING.format(name="launchable_rounded"))

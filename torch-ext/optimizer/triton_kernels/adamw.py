@@ -19,76 +19,170 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import INTERPRETER, SUPPORTED_DTYPES
+from .rounding import bfloat16_rounded, bfloat16_value, block_largest, e4m3_rounded, e4m3_value, random_bits
 
 # Elements per program: enough that a program's scalar work (its tensor's row, the bias corrections) is small beside
 # the 16-24 bytes per element it streams, few enough that a bias vector does not leave most of a program idle.
 BLOCK = 2048
 
 # A row of the address table per tensor, what each of its programs reads before its block: where its parameter,
-# gradient, first and second moment start, in 16-byte units from where the first parameter starts, then its step
-# count's address and its size. As multiples of 16 bytes from a pointer argument (which Triton knows to be 16-byte
-# aligned), the four tensors' addresses are known to the compiler to be aligned, so it can load and store them 16 bytes
-# at a time; raw addresses loaded from memory would tell it nothing and leave it to move one element per instruction.
+# gradient, first and second moment start, in 16-byte units from where the first parameter (first moment) starts,
+# then its step count's address and its size; with moments stored rounded, also its count of rounded writes' address
+# and, for 8-bit codes, the addresses of its moments' block scales. As multiples of 16 bytes from a pointer argument
+# (which Triton knows to be 16-byte aligned), the tensors' addresses are known to the compiler to be aligned, so it can
+# load and store them 16 bytes at a time; raw addresses loaded from memory would tell it nothing and leave it to move
+# one element per instruction.
 _COLUMNS = 6
+_ROUNDED_COLUMNS = 9
 _NUMEL = 5
 ALIGNMENT = 16
+# Entries per scale of 8-bit codes, along the last dim (state_precision.BLOCK): a program's BLOCK entries are whole
+# blocks of a tensor whose last dim is a multiple of it.
+CODE_BLOCK = 256
 
 
 @triton.jit
-def _adamw_blocks_kernel(
-    table,
-    block_tensor,
-    block_start,
-    skipped,
-    like,
-    lr_on_device,
-    lr,
-    beta1,
-    beta2,
-    log2_beta1,
-    log2_beta2,
-    eps,
-    weight_decay,
-    LR_ON_DEVICE: tl.constexpr,
-    COLUMNS: tl.constexpr,
-    ELEMENTS_PER_UNIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _program_block(table, block_tensor, block_start, skipped, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's tensor's table row, the first entry of its block, and where the tensor's entries end for it:
+    at 0 for a skipped tensor, whose programs then touch nothing."""
     block = tl.program_id(0)
     tensor = tl.load(block_tensor + block)
     row = table + tensor * COLUMNS
-    param = like + tl.load(row + 0) * ELEMENTS_PER_UNIT
-    grad = like + tl.load(row + 1) * ELEMENTS_PER_UNIT
-    exp_avg = like + tl.load(row + 2) * ELEMENTS_PER_UNIT
-    exp_avg_sq = like + tl.load(row + 3) * ELEMENTS_PER_UNIT
+    end = tl.where(tl.load(skipped + tensor) == 0.0, tl.load(row + 5), 0)
+    return row, tl.multiple_of(tl.load(block_start + block), BLOCK), end
+
+
+@triton.jit
+def _start(like, row, column: tl.constexpr, ELEMENTS_PER_UNIT: tl.constexpr):
+    """Where the tensor of the row's `column` starts: that many 16-byte units from `like`."""
+    return like + tl.load(row + column) * ELEMENTS_PER_UNIT
+
+
+@triton.jit
+def _step_rule(row, lr_on_device, lr, log2_beta1, log2_beta2, weight_decay, LR_ON_DEVICE: tl.constexpr):
+    """This step's constants for the tensor of the table row: the bias corrections in float64 from the step count as
+    it is after this step's increment, as torch's fused kernel takes them (there with pow; here beta^step as
+    exp2(step * log2 beta)); returns (step size, decay, sqrt of the second bias correction) for the fp32 arithmetic."""
     step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64)
-    numel = tl.load(row + 5)
     if LR_ON_DEVICE:
         lr = tl.load(lr_on_device).to(tl.float64)
-
-    # The bias corrections in float64 from the step count as it is after this step's increment, as torch's fused
-    # kernel takes them (there with pow; here beta^step as exp2(step * log2 beta)), then the fp32 arithmetic.
     bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2)).to(tl.float32)
-    step_size = tl.cast(lr / bias_correction1, tl.float32)
-    decay = tl.cast(lr * weight_decay, tl.float32)
+    return tl.cast(lr / bias_correction1, tl.float32), tl.cast(lr * weight_decay, tl.float32), bias_correction2_sqrt
 
-    # A skipped tensor's programs touch nothing: as if it had no elements.
-    end = tl.where(tl.load(skipped + tensor) == 0.0, numel, 0)
-    offsets = tl.multiple_of(tl.load(block_start + block), BLOCK) + tl.arange(0, BLOCK)
-    mask = offsets < end
-    p = tl.load(param + offsets, mask=mask).to(tl.float32)
-    g = tl.load(grad + offsets, mask=mask).to(tl.float32)
-    m = tl.load(exp_avg + offsets, mask=mask).to(tl.float32)
-    v = tl.load(exp_avg_sq + offsets, mask=mask).to(tl.float32)
+
+@triton.jit
+def _adamw_entries(p, g, m, v, step_size, decay, bias_correction2_sqrt, beta1, beta2, eps):
+    """torch.optim.AdamW's arithmetic on float32 entries: returns the new parameter and moments."""
     p = p - decay * p
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
     denominator = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p - tl.div_rn(step_size * m, denominator)
-    tl.store(param + offsets, p.to(like.dtype.element_ty), mask=mask)
-    tl.store(exp_avg + offsets, m.to(like.dtype.element_ty), mask=mask)
-    tl.store(exp_avg_sq + offsets, v.to(like.dtype.element_ty), mask=mask)
+    return p - tl.div_rn(step_size * m, denominator), m, v
+
+
+@triton.jit
+def _adamw_blocks_kernel(
+    table, block_tensor, block_start, skipped, like, lr_on_device, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
+    weight_decay, LR_ON_DEVICE: tl.constexpr, COLUMNS: tl.constexpr, ELEMENTS_PER_UNIT: tl.constexpr,
+    BLOCK: tl.constexpr
+):
+    row, first, end = _program_block(table, block_tensor, block_start, skipped, COLUMNS, BLOCK)
+    param, grad = _start(like, row, 0, ELEMENTS_PER_UNIT), _start(like, row, 1, ELEMENTS_PER_UNIT)
+    exp_avg, exp_avg_sq = _start(like, row, 2, ELEMENTS_PER_UNIT), _start(like, row, 3, ELEMENTS_PER_UNIT)
+    step_size, decay, bias_correction2_sqrt = _step_rule(row, lr_on_device, lr, log2_beta1, log2_beta2, weight_decay,
+                                                         LR_ON_DEVICE)
+    offsets = first + tl.arange(0, BLOCK)
+    rule = (step_size, decay, bias_correction2_sqrt, beta1, beta2, eps)
+    # A whole block unmasked: a mask against a size of unknown divisibility would keep every access to one element.
+    if first + BLOCK <= end:
+        _adamw_block(param, grad, exp_avg, exp_avg_sq, offsets, None, rule)
+    else:
+        _adamw_block(param, grad, exp_avg, exp_avg_sq, offsets, offsets < end, rule)
+
+
+@triton.jit
+def _adamw_block(param, grad, exp_avg, exp_avg_sq, offsets, mask, rule):
+    """`_adamw_entries` on a block of entries of tensors stored in their parameter's dtype, where `mask` (None: all)."""
+    p, m, v = _adamw_entries(tl.load(param + offsets, mask=mask).to(tl.float32),
+                             tl.load(grad + offsets, mask=mask).to(tl.float32),
+                             tl.load(exp_avg + offsets, mask=mask).to(tl.float32),
+                             tl.load(exp_avg_sq + offsets, mask=mask).to(tl.float32), *rule)
+    tl.store(param + offsets, p.to(param.dtype.element_ty), mask=mask)
+    tl.store(exp_avg + offsets, m.to(param.dtype.element_ty), mask=mask)
+    tl.store(exp_avg_sq + offsets, v.to(param.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adamw_rounded_blocks_kernel(
+    table, block_tensor, block_start, skipped, like, moment_like, lr_on_device, lr, beta1, beta2, log2_beta1,
+    log2_beta2, eps, weight_decay, LR_ON_DEVICE: tl.constexpr, CODES: tl.constexpr, COLUMNS: tl.constexpr,
+    ELEMENTS_PER_UNIT: tl.constexpr, MOMENT_ELEMENTS_PER_UNIT: tl.constexpr, BLOCK: tl.constexpr,
+    CODE_BLOCK: tl.constexpr
+):
+    """As `_adamw_blocks_kernel`, for moments stored rounded at random: bfloat16 bits (int16), or with CODES, e4m3
+    codes (int8) with a float32 scale per CODE_BLOCK entries, the second moment's codes holding its square root, as
+    the CPU's `adamw_rounded_` and state_precision.py store them. Both moments round with the same random bits."""
+    row, first, end = _program_block(table, block_tensor, block_start, skipped, COLUMNS, BLOCK)
+    param, grad = _start(like, row, 0, ELEMENTS_PER_UNIT), _start(like, row, 1, ELEMENTS_PER_UNIT)
+    exp_avg = _start(moment_like, row, 2, MOMENT_ELEMENTS_PER_UNIT)
+    exp_avg_sq = _start(moment_like, row, 3, MOMENT_ELEMENTS_PER_UNIT)
+    count = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.int64)))
+    step_size, decay, bias_correction2_sqrt = _step_rule(row, lr_on_device, lr, log2_beta1, log2_beta2, weight_decay,
+                                                         LR_ON_DEVICE)
+    # (code blocks, entries) of this program's BLOCK entries: a code block's scale is one row's.
+    rows = tl.arange(0, BLOCK // CODE_BLOCK)
+    offsets = first + rows[:, None] * CODE_BLOCK + tl.arange(0, CODE_BLOCK)[None, :]
+    if CODES:
+        scales = (tl.load(row + 7).to(tl.pointer_type(tl.float32)) + first // CODE_BLOCK + rows,
+                  tl.load(row + 8).to(tl.pointer_type(tl.float32)) + first // CODE_BLOCK + rows)
+    else:
+        scales = (row, row)  # unread
+    moments = (exp_avg, exp_avg_sq, scales, count)
+    rule = (step_size, decay, bias_correction2_sqrt, beta1, beta2, eps)
+    if first + BLOCK <= end:  # see _adamw_blocks_kernel
+        _adamw_rounded_block(param, grad, moments, offsets, None, None, None, rule, CODES)
+    else:
+        _adamw_rounded_block(param, grad, moments, offsets, offsets < end, first + rows * CODE_BLOCK < end, 0, rule,
+                             CODES)
+
+
+@triton.jit
+def _adamw_rounded_block(param, grad, moments, offsets, mask, scale_mask, other, rule, CODES: tl.constexpr):
+    """`_adamw_entries` on a block of (code blocks, entries) whose moments are stored rounded (see
+    `_adamw_rounded_blocks_kernel`), where `mask` (None: all). Entries outside it read as 0 (`other`), which leaves
+    their code blocks' largest magnitudes as they are."""
+    exp_avg, exp_avg_sq, scales, count = moments
+    scale_m, scale_v = scales
+    stored_m = tl.load(exp_avg + offsets, mask=mask, other=other)
+    stored_v = tl.load(exp_avg_sq + offsets, mask=mask, other=other)
+    if CODES:
+        root = e4m3_value(stored_v) * tl.load(scale_v, mask=scale_mask, other=other)[:, None]
+        v = root * root
+        # An 8-bit second moment far below its block's largest rounds to 0 now and then, and a first moment that did
+        # not would then step by m / eps; in exact arithmetic v is 0 only after gradients of 0, and then m is too.
+        m = tl.where(v == 0.0, 0.0, e4m3_value(stored_m) * tl.load(scale_m, mask=scale_mask, other=other)[:, None])
+    else:
+        m = bfloat16_value(stored_m)
+        v = bfloat16_value(stored_v)
+    p, m, v = _adamw_entries(tl.load(param + offsets, mask=mask, other=other).to(tl.float32),
+                             tl.load(grad + offsets, mask=mask, other=other).to(tl.float32), m, v, *rule)
+    tl.store(param + offsets, p.to(param.dtype.element_ty), mask=mask)
+    bits = random_bits(offsets, count)
+    if CODES:
+        root = tl.sqrt_rn(v)
+        m_scale = block_largest(m) / 448.0  # e4m3's largest value
+        v_scale = block_largest(root) / 448.0
+        m_scaled = tl.where(m_scale[:, None] > 0.0, tl.div_rn(m, tl.where(m_scale > 0.0, m_scale, 1.0)[:, None]), 0.0)
+        v_scaled = tl.where(v_scale[:, None] > 0.0, tl.div_rn(root, tl.where(v_scale > 0.0, v_scale, 1.0)[:, None]),
+                            0.0)
+        tl.store(exp_avg + offsets, e4m3_rounded(m_scaled, bits), mask=mask)
+        tl.store(exp_avg_sq + offsets, e4m3_rounded(v_scaled, bits), mask=mask)
+        tl.store(scale_m, m_scale, mask=scale_mask)
+        tl.store(scale_v, v_scale, mask=scale_mask)
+    else:
+        tl.store(exp_avg + offsets, bfloat16_rounded(m, bits), mask=mask)
+        tl.store(exp_avg_sq + offsets, bfloat16_rounded(v, bits), mask=mask)
 
 
 def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -114,14 +208,42 @@ def launch_adamw_(tensors: Sequence[tuple[Tensor, ...]], skipped: Tensor, *, lr:
     dtype on `skipped`'s device, with a tensor `lr` there: unchecked, for the optimizer's step, which picks its rows
     with `launchable` (checking them again cost GPT-2 small's 97 AdamW tensors ~0.3 ms of host time per step)."""
     like = tensors[0][0]
+    base = like.data_ptr()
+    rows = tuple(value for param, grad, exp_avg, exp_avg_sq, step in tensors
+                 for value in (*_units(base, param, grad, exp_avg, exp_avg_sq), step.data_ptr(), param.numel()))
+    table, block_tensor, block_start = _tables(rows, _COLUMNS, like.device)
     lr_on_device = isinstance(lr, Tensor)
-    table, block_tensor, block_start = _launch_tables(tensors, like.device)
     beta1, beta2 = betas
     _adamw_blocks_kernel[(block_tensor.numel(),)](
         table, block_tensor, block_start, skipped, like, lr if lr_on_device else table,
         0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
         LR_ON_DEVICE=lr_on_device, COLUMNS=_COLUMNS, ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(),
         BLOCK=BLOCK,
+    )
+
+
+def launch_adamw_rounded_(tensors: Sequence[tuple[Tensor | None, ...]], skipped: Tensor, *, lr: float | Tensor,
+                          betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """`launch_adamw_` for moments stored rounded at random, on (param, grad, exp_avg, exp_avg_sq, step,
+    rounding_count, exp_avg_scales, exp_avg_sq_scales) rows that `launchable_rounded` took, of one parameter dtype
+    and one stored form (bfloat16 moments, or 8-bit codes with their scales): each moment read into float32, stepped
+    with its parameter and stored back rounded with random bits salted by its rounding count and each entry's index,
+    as the CPU's `adamw_rounded_` does. The counts stay as they are: the caller moves them by the flags."""
+    like, moment_like, codes = tensors[0][0], tensors[0][2], tensors[0][6] is not None
+    base, moment_base = like.data_ptr(), moment_like.data_ptr()
+    rows = tuple(value for param, grad, exp_avg, exp_avg_sq, step, count, exp_avg_scales, exp_avg_sq_scales in tensors
+                 for value in (*_units(base, param, grad), *_units(moment_base, exp_avg, exp_avg_sq), step.data_ptr(),
+                               param.numel(), count.data_ptr(), *(scales.data_ptr() if codes else 0
+                                                                  for scales in (exp_avg_scales, exp_avg_sq_scales))))
+    table, block_tensor, block_start = _tables(rows, _ROUNDED_COLUMNS, like.device)
+    lr_on_device = isinstance(lr, Tensor)
+    beta1, beta2 = betas
+    _adamw_rounded_blocks_kernel[(block_tensor.numel(),)](
+        table, block_tensor, block_start, skipped, like, moment_like.view(torch.int8 if codes else torch.int16),
+        lr if lr_on_device else table, 0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2),
+        eps, weight_decay, LR_ON_DEVICE=lr_on_device, CODES=codes, COLUMNS=_ROUNDED_COLUMNS,
+        ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(),
+        MOMENT_ELEMENTS_PER_UNIT=ALIGNMENT // moment_like.element_size(), BLOCK=BLOCK, CODE_BLOCK=CODE_BLOCK,
     )
 
 
@@ -132,6 +254,27 @@ def launchable(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     return (dtype in SUPPORTED_DTYPES and step.dtype == torch.float32
             and all(tensor.dtype == dtype and tensor.shape == shape and adamw_takes(tensor)
                     for tensor in (param, grad, exp_avg, exp_avg_sq)))
+
+
+def launchable_rounded(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor,
+                       rounding_count: Tensor, exp_avg_scales: Tensor | None, exp_avg_sq_scales: Tensor | None) -> bool:
+    """Whether the rounded kernel takes this parameter, whole (its entries' indices are their positions): parameter
+    and gradient of one shape and dtype it supports, moments of that shape stored as bfloat16 or, with float32
+    scales, as 8-bit codes along a last dim of whole CODE_BLOCKs, each where the kernel reads it (`adamw_takes`); a
+    float32 step count and an int64 rounding count."""
+    dtype, shape = param.dtype, param.shape
+    if exp_avg_scales is None and exp_avg_sq_scales is None:
+        stored = torch.bfloat16
+    elif exp_avg_scales is not None and exp_avg_sq_scales is not None:
+        stored = torch.int8
+        if not shape or shape[-1] % CODE_BLOCK or not all(
+                scales.dtype == torch.float32 and scales.is_contiguous() for scales in (exp_avg_scales, exp_avg_sq_scales)):
+            return False
+    else:
+        return False
+    return (dtype in SUPPORTED_DTYPES and step.dtype == torch.float32 and rounding_count.dtype == torch.int64
+            and all(tensor.dtype == expected and tensor.shape == shape and adamw_takes(tensor)
+                    for tensor, expected in ((param, dtype), (grad, dtype), (exp_avg, stored), (exp_avg_sq, stored))))
 
 
 def adamw_takes(tensor: Tensor) -> bool:
@@ -176,15 +319,16 @@ def _checked(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequen
     return tensors
 
 
-def _launch_tables(tensors: Sequence[tuple[Tensor, ...]], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """The address table (a row per tensor), then each program's tensor and first element, which depend only on the
-    tensors' sizes. Each is kept on the device for the next steps: the addresses of parameters and moments stay, and
-    a gradient's usually do too, as the caching allocator hands the same blocks out again."""
-    base = tensors[0][0].data_ptr()
-    rows = tuple(value for group in tensors
-                 for value in (*((tensor.data_ptr() - base) // ALIGNMENT for tensor in group[:4]), group[4].data_ptr(),
-                               group[0].numel()))
-    return _address_table(rows, device), *_block_tables(rows[_NUMEL::_COLUMNS], device)
+def _units(base: int, *tensors: Tensor) -> tuple[int, ...]:
+    """Where each tensor starts, in 16-byte units from `base`."""
+    return tuple((tensor.data_ptr() - base) // ALIGNMENT for tensor in tensors)
+
+
+def _tables(rows: tuple[int, ...], columns: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The address table (`rows`, `columns` values per tensor), then each program's tensor and first element, which
+    depend only on the tensors' sizes. Each is kept on the device for the next steps: the addresses of parameters and
+    moments stay, and a gradient's usually do too, as the caching allocator hands the same blocks out again."""
+    return _address_table(rows, device), *_block_tables(rows[_NUMEL::columns], device)
 
 
 @functools.lru_cache(maxsize=16)  # the tables of the last steps, should gradients come back at a few addresses
