@@ -5,6 +5,7 @@ no-op, and on a GPU the real thing."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,9 +32,12 @@ def _train(params: list[torch.Tensor], steps: int, **options) -> Muon:
     return opt
 
 
+@pytest.mark.parametrize("adamw_group_bytes", [None, 1], ids=["default groups", "one AdamW tensor a group"])
 @pytest.mark.parametrize("state_dtype", [None, "int8"])
-def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, state_dtype) -> None:
+def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, state_dtype, adamw_group_bytes) -> None:
     log: list[str] = []
+    if adamw_group_bytes is not None:
+        monkeypatch.setattr(offload_module, "ADAMW_GROUP_BYTES", adamw_group_bytes)
     for name in ("muon_update", "adamw_update"):
         update = getattr(offload_module, name)
         monkeypatch.setattr(offload_module, name, lambda *args, _update=update, **kwargs: (log.append("update"),
@@ -48,12 +52,21 @@ def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, s
         assert torch.equal(staged_param, plain_param)
         for key, value in plain.state[plain_param].items():
             assert torch.equal(staged.state[staged_param][key], value), key
-    # Per step: Muon's three buckets ((32, 16) twice, (24, 16), (16, 48)), then AdamW's two tensors one at a time.
-    # Group i + 1's fetch is issued before group i's update, and group i's write-back after it.
+    # Per step: Muon's three buckets ((32, 16) twice, (24, 16), (16, 48)), then AdamW's two tensors, in one group
+    # (a few hundred bytes of state) or, with a budget of one byte, one at a time. Group i + 1's fetch is issued
+    # before group i's update, and group i's write-back after it.
     muon_schedule = ["fetch", "ready", "fetch", "update", "write_back", "ready", "fetch", "update", "write_back",
                      "ready", "update", "write_back", "finish"]
-    adamw_schedule = ["fetch", "ready", "fetch", "update", "write_back", "ready", "update", "write_back", "finish"]
+    adamw_schedule = (["fetch", "ready", "update", "write_back", "finish"] if adamw_group_bytes is None else
+                      ["fetch", "ready", "fetch", "update", "write_back", "ready", "update", "write_back", "finish"])
     assert log == (muon_schedule + adamw_schedule) * 3
+
+
+def test_adamw_groups_fill_the_byte_budget_in_order_and_a_larger_parameter_goes_alone() -> None:
+    sizes = [3, 4, 1, 10, 2, 0, 5]  # float32 entries of each parameter's two moments: 8 bytes an entry
+    items = [SimpleNamespace(exp_avg=torch.zeros(size), exp_avg_sq=torch.zeros(size), size=size) for size in sizes]
+    groups = offload_module.adamw_groups(items, budget=8 * 8)
+    assert [[item.size for item in group] for group in groups] == [[3, 4, 1], [10], [2, 0, 5]]
 
 
 def test_offload_on_cpu_parameters_is_a_noop_that_says_so_once() -> None:

@@ -27,6 +27,8 @@ OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
 # The state the option moves: the moments and their block scales, and NorMuon/AdaMuon's second moment. Counters stay
 # with the parameter (a few bytes, read by every step's bookkeeping).
 OFFLOADED_STATE = (*MOMENT_KEYS, *(scale_key(key) for key in MOMENT_KEYS), "update_sq")
+# Bytes of AdamW state fetched to the device per group at most, but for a parameter with more (see `adamw_groups`).
+ADAMW_GROUP_BYTES = 32 << 20
 # The same tensors as the fields of functional's MuonTensors and AdamWTensors.
 OFFLOADED_FIELDS = ("momentum_buffer", "momentum_scales", "second_moment", "exp_avg", "exp_avg_sq", "exp_avg_scales",
                     "exp_avg_sq_scales")
@@ -118,16 +120,32 @@ def staged_muon_update(items: list[MuonTensors], **settings: Any) -> None:
 
 def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, **settings: Any) -> None:
     """`adamw_update` of one device's items (found_inf None: their gradients not checked yet), or with offloaded
-    state, one parameter at a time with its state streamed a parameter ahead; `run_staged` updates them in order, so
-    each takes the next of the flags."""
+    state, a group of parameters at a time (`adamw_groups`) with its state streamed a group ahead; `run_staged`
+    updates the groups in order, so each takes the next of the flags."""
     if not any(offloaded(item) for item in items):
         adamw_update(items, found_inf, **settings)
         return
     if found_inf is None:
         found_inf = nonfinite_flags([item.grad for item in items])
-    flags = iter(found_inf.split(1))
-    run_staged([[item] for item in items], lambda one: adamw_update(one, next(flags), **settings),
-               CudaCopier(found_inf.device))
+    groups = adamw_groups(items, ADAMW_GROUP_BYTES)
+    flags = iter(found_inf.split([len(group) for group in groups]))
+    run_staged(groups, lambda group: adamw_update(group, next(flags), **settings), CudaCopier(found_inf.device))
+
+
+def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[AdamWTensors]]:
+    """Consecutive parameters whose offloaded state adds up to at most `budget` bytes per group, and a parameter
+    with more alone: the device holds two groups' state at once, and each group costs its copies' and its update's
+    launches (GPT-2 small's 97 AdamW tensors one at a time: ~2000 operator calls, 5.2x the on-GPU step on an H200)."""
+    groups: list[list[AdamWTensors]] = []
+    total = 0
+    for item in items:
+        size = sum(getattr(item, field).nbytes for field in _fields(item))
+        if not groups or total + size > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += size
+    return groups
 
 
 def run_staged(groups: Sequence[Sequence[Item]], update: Callable[[list[Item]], None], copier: Copier) -> None:
