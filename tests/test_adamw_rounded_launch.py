@@ -26,14 +26,14 @@ SHAPES = {torch.bfloat16: [(768,), (3, 700), (5,), (2, 64)], "int8": [(2, 256), 
 SKIPPED = 2  # the index of the parameter whose gradient holds a NaN
 
 
-def _items(state_dtype: torch.dtype | str, seed: int = 0) -> list:
+def _items(state_dtype: torch.dtype | str, seed: int = 0, param_dtype: torch.dtype = torch.float32) -> list:
     """AdamW parameters with gradients and moments already stored in `state_dtype` (rounded from random values),
     with step and rounding counts as after a few steps."""
     generator = torch.Generator().manual_seed(seed)
     items = []
     for index, shape in enumerate(SHAPES[state_dtype]):
-        param = torch.randn(shape, generator=generator)
-        grad = torch.randn(shape, generator=generator)
+        param = torch.randn(shape, generator=generator).to(param_dtype)
+        grad = torch.randn(shape, generator=generator).to(param_dtype)
         if index == SKIPPED:
             grad.view(-1)[0] = float("nan")
         values = [torch.randn(shape, generator=generator) * 0.1, torch.rand(shape, generator=generator) * 0.01]
@@ -126,12 +126,14 @@ def test_one_launch_steps_rounded_moments_as_torch_then_one_rounding(state_dtype
         assert int(item.rounding_count) == int(start.rounding_count) + 1 and float(item.step) == float(start.step) + 1
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"], ids=["bfloat16", "int8"])
-def test_one_launch_rounds_as_the_per_parameter_path(state_dtype, monkeypatch) -> None:
+def test_one_launch_rounds_as_the_per_parameter_path(state_dtype, param_dtype, monkeypatch) -> None:
     """The same random bits per entry (its index and the count): where the two paths' float32 moments agree, the
     stored bits agree; they differ in the last float32 bits of a few entries (different arithmetic orders), which
-    round apart only where such a difference straddles a rounding threshold."""
-    ours, theirs = _items(state_dtype), _items(state_dtype)
+    round apart only where such a difference straddles a rounding threshold. bfloat16 parameters too, each rounded
+    to nearest once from its float32 step, as torch's fused kernel rounds it."""
+    ours, theirs = _items(state_dtype, param_dtype=param_dtype), _items(state_dtype, param_dtype=param_dtype)
     _step(ours, monkeypatch, rounded_launch=True)
     _step(theirs, monkeypatch, rounded_launch=False)
     for item, reference in zip(ours, theirs):
@@ -141,5 +143,7 @@ def test_one_launch_rounds_as_the_per_parameter_path(state_dtype, monkeypatch) -
         if state_dtype == "int8":
             torch.testing.assert_close(item.exp_avg_scales, reference.exp_avg_scales, rtol=1e-5, atol=0)
             torch.testing.assert_close(item.exp_avg_sq_scales, reference.exp_avg_sq_scales, rtol=1e-5, atol=0)
+        torch.testing.assert_close(item.param, reference.param, rtol=4e-6 if param_dtype == torch.float32 else 8e-3,
+                                   atol=1e-7, equal_nan=True)
         assert torch.equal(item.rounding_count, reference.rounding_count)
         assert torch.equal(item.step, reference.step)
