@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import INTERPRETER, SUPPORTED_DTYPES
-from .rounding import bfloat16_rounded, bfloat16_value, block_largest, e4m3_rounded, e4m3_value, random_bits
+from .rounding import bfloat16_rounded, bfloat16_value, e4m3_block_codes, e4m3_value, random_bits
 
 # Elements per program: enough that a program's scalar work (its tensor's row, the bias corrections) is small beside
 # the 16-24 bytes per element it streams, few enough that a bias vector does not leave most of a program idle.
@@ -170,14 +170,10 @@ def _adamw_rounded_block(param, grad, moments, offsets, mask, scale_mask, other,
     tl.store(param + offsets, p.to(param.dtype.element_ty), mask=mask)
     bits = random_bits(offsets, count)
     if CODES:
-        root = tl.sqrt_rn(v)
-        m_scale = block_largest(m) / 448.0  # e4m3's largest value
-        v_scale = block_largest(root) / 448.0
-        m_scaled = tl.where(m_scale[:, None] > 0.0, tl.div_rn(m, tl.where(m_scale > 0.0, m_scale, 1.0)[:, None]), 0.0)
-        v_scaled = tl.where(v_scale[:, None] > 0.0, tl.div_rn(root, tl.where(v_scale > 0.0, v_scale, 1.0)[:, None]),
-                            0.0)
-        tl.store(exp_avg + offsets, e4m3_rounded(m_scaled, bits), mask=mask)
-        tl.store(exp_avg_sq + offsets, e4m3_rounded(v_scaled, bits), mask=mask)
+        m_codes, m_scale = e4m3_block_codes(m, bits)
+        v_codes, v_scale = e4m3_block_codes(tl.sqrt_rn(v), bits)
+        tl.store(exp_avg + offsets, m_codes, mask=mask)
+        tl.store(exp_avg_sq + offsets, v_codes, mask=mask)
         tl.store(scale_m, m_scale, mask=scale_mask)
         tl.store(scale_v, v_scale, mask=scale_mask)
     else:

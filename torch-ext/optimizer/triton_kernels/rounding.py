@@ -74,7 +74,16 @@ def e4m3_rounded(scaled, bits):
 
 
 @triton.jit
-def block_largest(values):
+def e4m3_block_codes(values, bits):
+    """Each row of `values` (a block) as e4m3 codes to store and its float32 scale: the row scaled so its largest
+    magnitude is e4m3's largest value (448), then rounded at random; a row of zeros has scale 0 and codes 0."""
+    scale = _largest_magnitude(values) / 448.0
+    scaled = scale[:, None] > 0.0
+    return e4m3_rounded(tl.where(scaled, tl.div_rn(values, tl.where(scaled, scale[:, None], 1.0)), 0.0), bits), scale
+
+
+@triton.jit
+def _largest_magnitude(values):
     """Each row's largest magnitude, as the largest of the magnitudes' bit patterns, which order as the values do, a
     NaN above all (as the compiled ops take it, and torch.amax)."""
     return tl.max(values.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
