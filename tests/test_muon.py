@@ -38,11 +38,13 @@ def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
 
 # --- against torch.optim.Muon and torch.optim.AdamW ---------------------------------------------------------
 
-@pytest.mark.parametrize("rounds", ["shared", "one per bucket"])
+@pytest.mark.parametrize("rounds", ["shared", "one per bucket", "buckets in chunks"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_matches_torch_muon(nesterov: bool, rounds: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if rounds == "one per bucket":  # as large buckets run: each alone, its Newton-Schulz buffers from the workspace
+    if rounds != "shared":  # as large buckets run: each alone, its Newton-Schulz buffers from the workspace
         monkeypatch.setattr(functional, "_ROUND_NUMEL", 0)
+    if rounds == "buckets in chunks":  # as a deep model's buckets run: the three (96, 64) in chunks of one and two
+        monkeypatch.setattr(functional, "_BUCKET_NUMEL", {"cpu": 2 * 96 * 64})
     torch.manual_seed(0)
     # Batches of 2, 3 and 1, in an order whose buffers (reused from bucket to bucket and step to step on a CPU)
     # shrink and grow again.
@@ -366,6 +368,30 @@ def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.Monkey
     seeded_grads(params, 0)
     Muon(params).step()
     assert sorted(calls) == [(2, 48, 32), (5, 32, 48)]
+
+
+@pytest.mark.parametrize("bucket_numel, layout, batches", [
+    (None, "7", [7]), (7 * 1536, "7", [7]), (7 * 1536 - 1, "7", [4, 3]), (3 * 1536, "7", [3, 2, 2]),
+    (1536, "7", [1] * 7), (1, "7", [1] * 7), (2 * 1536, "2+bank+1", [2, 4, 1]), (None, "2+bank+1", [7])])
+def test_large_buckets_run_in_near_equal_chunks(bucket_numel: int | None, layout: str, batches: list[int],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # (32, 48) matrices, 1536 entries each, and maybe an expert bank of four between them: the fewest chunks of at
+    # most _BUCKET_NUMEL entries, in the parameters' order, near-equal; the bank, larger than a chunk, stays whole.
+    if bucket_numel is not None:
+        monkeypatch.setattr(functional, "_BUCKET_NUMEL", {"cpu": bucket_numel})
+    calls: list[int] = []
+    real = functional.Orthogonalizer.__call__
+
+    def counting(self, matrices, workspace=None):
+        calls.append(matrices.shape[0])
+        return real(self, matrices, workspace)
+
+    monkeypatch.setattr(functional.Orthogonalizer, "__call__", counting)
+    shapes = [(32, 48)] * 7 if layout == "7" else [(32, 48), (32, 48), (4, 32, 48), (32, 48)]
+    params = [torch.randn(shape) for shape in shapes]
+    seeded_grads(params, 0)
+    Muon(params).step()
+    assert calls == batches
 
 
 @pytest.mark.parametrize("round_numel, rounds", [(None, 1), (32 * 48 * 3, 2), (0, 3)])

@@ -41,6 +41,14 @@ ONE_LAUNCH_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 # 784-256-256-10 (three buckets of one matrix each) one round instead of three took 0.21-0.29 ms off a ~7 ms step
 # (from 1.13x-1.15x torch.optim.Muon's time to 1.09x-1.11x, paired; 2-core AMD EPYC).
 _ROUND_NUMEL = 2**21
+# A bucket's stack and its Newton-Schulz buffers (about three times the stack) are the step's largest temporaries, and
+# a bucket of every same-shape matrix grows with the model's depth (Llama-3-8B's 32 MLP matrices of 4096 x 14336 would
+# hold ~12 GB in bfloat16): past this many elements, by device type, a bucket is split into near-equal chunks (see
+# `_chunks`). On CPUs chunks of one or two of GPT-2 small's 768 x 3072 matrices ran its step as fast as whole buckets
+# of 12 (2-core Xeon with AMX, paired) and took its peak from 0.77 to 0.69 GiB; on GPUs, where a chunk's launches cost
+# host time, GPT-2 small's buckets stay whole.
+_BUCKET_NUMEL = {"cpu": 2**22}
+_GPU_BUCKET_NUMEL = 2**25
 # Device types where that kernel failed to build or launch (a Triton that cannot compile it for this GPU): their AdamW
 # goes through torch's fused kernel for the rest of the process.
 _one_launch_failed: set[str] = set()
@@ -143,7 +151,7 @@ def _merged(parts: Sequence[tuple[list[int], Tensor]], total: int) -> Tensor:
 
 def buckets(items: Sequence[MuonTensors]) -> list[list[MuonTensors]]:
     """The items as `muon_update` orthogonalizes them, one batched call per bucket."""
-    return list(_bucket(items).values())
+    return [chunk for bucket in _bucket(items).values() for chunk in _chunks(bucket)]
 
 
 def _bucket(items: Sequence[MuonTensors]) -> dict[tuple, list[MuonTensors]]:
@@ -153,6 +161,23 @@ def _bucket(items: Sequence[MuonTensors]) -> dict[tuple, list[MuonTensors]]:
         key = (item.param.device, item.param.dtype, item.view.rows, item.view.cols)
         buckets.setdefault(key, []).append(item)
     return buckets
+
+
+def _chunks(bucket: list[MuonTensors]) -> list[list[MuonTensors]]:
+    """A bucket as the fewest near-equal runs of consecutive items whose stacks hold at most _BUCKET_NUMEL elements
+    each; an item of more matrices than a run holds (an expert bank) stays whole, in the run its first matrix falls
+    in."""
+    batch, rows, cols = _stack_shape(bucket)
+    per_run = max(1, _BUCKET_NUMEL.get(bucket[0].param.device.type, _GPU_BUCKET_NUMEL) // (rows * cols))
+    runs = math.ceil(batch / per_run)
+    if runs == 1:
+        return [bucket]
+    chunks: list[list[MuonTensors]] = [[] for _ in range(runs)]
+    start = 0
+    for item in bucket:
+        chunks[start * runs // batch].append(item)
+        start += item.view.batch
+    return [chunk for chunk in chunks if chunk]
 
 
 def _rounds(buckets: Sequence[list[MuonTensors]]) -> list[list[list[MuonTensors]]]:
