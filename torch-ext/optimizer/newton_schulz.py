@@ -309,6 +309,14 @@ class _Buffers:
             taken = self.taken[name] = self.workspace.tensor(name, shape, dtype, self.device)
         return taken
 
+    def standard_step(self, step: int, X: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Where step `step` of the standard iteration on X writes A, P and the next X. Without buffers no name nor
+        shape is formed: on a lone small matrix those lookups cost the iteration ~2% (bf16, 2-core Xeon, paired)."""
+        if not self.enabled:
+            return None, None, None
+        square = (*X.shape[:-1], X.shape[-2])
+        return self.get("A", square, X.dtype), self.get("P", square, X.dtype), self.get(f"X{step % 2}", X.shape, X.dtype)
+
     def adopt(self, name: str, tensor: Tensor) -> None:
         """Use `tensor` (the caller's to overwrite, contiguous) as the buffer `name`."""
         if self.enabled and tensor.is_contiguous():
@@ -319,12 +327,12 @@ def _standard_iteration(X: Tensor, gram: Tensor | None, coefficients: Sequence[C
                         backend: str, buffers: _Buffers) -> Tensor:
     """X <- a X + (b A + c A²) X with A = X Xᵀ, one step per triple; `gram` is the first step's A if computed.
     X is `newton_schulz`'s own (scaled) tensor, on CPU batches the buffer "X1": X alternates between "X0" and "X1"."""
-    square = (*X.shape[:-1], X.shape[-2])
     for step, (a, b, c) in enumerate(coefficients):
+        gram_out, polynomial_out, X_out = buffers.standard_step(step, X)
         if gram is None:
-            gram = symmetric_gram(X, backend, out=buffers.get("A", square, X.dtype))
-        polynomial = symmetric_polynomial(gram, b, c, backend, out=buffers.get("P", square, X.dtype))  # b A + c A²
-        X = _scaled_plus_product(X, polynomial, a, out=buffers.get(f"X{step % 2}", X.shape, X.dtype))
+            gram = symmetric_gram(X, backend, out=gram_out)
+        polynomial = symmetric_polynomial(gram, b, c, backend, out=polynomial_out)  # b A + c A²
+        X = _scaled_plus_product(X, polynomial, a, out=X_out)
         gram = None
     return X
 
