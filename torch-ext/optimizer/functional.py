@@ -44,10 +44,11 @@ _ROUND_NUMEL = 2**21
 # A bucket's stack and its Newton-Schulz buffers (about three times the stack) are the step's largest temporaries, and
 # a bucket of every same-shape matrix grows with the model's depth (Llama-3-8B's 32 MLP matrices of 4096 x 14336 would
 # hold ~12 GB in bfloat16): past this many elements, by device type, a bucket is split into near-equal chunks (see
-# `_chunks`). On CPUs chunks of one or two of GPT-2 small's 768 x 3072 matrices ran its step as fast as whole buckets
-# of 12 (2-core Xeon with AMX, paired) and took its peak from 0.77 to 0.69 GiB; on GPUs, where a chunk's launches cost
-# host time, GPT-2 small's buckets stay whole.
-_BUCKET_NUMEL = {"cpu": 2**22}
+# `_chunks`). Not much further on CPUs: there a batch of one or two mid-sized matrices ran its products at up to half
+# the rate of a batch of six (768 x 3072 bf16 X Xᵀ, oneDNN on a 2-core Xeon: 3.95, 1.95 and 1.62 ms per matrix), and
+# GPT-2 small's step in chunks of one to two of its 768 x 3072 matrices took 1.18x the time of whole buckets of 12, in
+# chunks of six 0.92x (paired). On GPUs, where each chunk's launches cost host time, GPT-2 small's buckets stay whole.
+_BUCKET_NUMEL = {"cpu": 2**24}
 _GPU_BUCKET_NUMEL = 2**25
 # Device types where that kernel failed to build or launch (a Triton that cannot compile it for this GPU): their AdamW
 # goes through torch's fused kernel for the rest of the process.
