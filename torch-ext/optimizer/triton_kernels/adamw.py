@@ -208,12 +208,9 @@ def launch_adamw_(tensors: Sequence[tuple[Tensor, ...]], skipped: Tensor, *, lr:
     rows = tuple(value for param, grad, exp_avg, exp_avg_sq, step in tensors
                  for value in (*_units(base, param, grad, exp_avg, exp_avg_sq), step.data_ptr(), param.numel()))
     table, block_tensor, block_start = _tables(rows, _COLUMNS, like.device)
-    lr_on_device = isinstance(lr, Tensor)
-    beta1, beta2 = betas
     _adamw_blocks_kernel[(block_tensor.numel(),)](
-        table, block_tensor, block_start, skipped, like, lr if lr_on_device else table,
-        0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-        LR_ON_DEVICE=lr_on_device, COLUMNS=_COLUMNS, ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(),
+        table, block_tensor, block_start, skipped, like, *_rule_arguments(lr, betas, eps, weight_decay, table),
+        LR_ON_DEVICE=isinstance(lr, Tensor), COLUMNS=_COLUMNS, ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(),
         BLOCK=BLOCK,
     )
 
@@ -232,15 +229,23 @@ def launch_adamw_rounded_(tensors: Sequence[tuple[Tensor | None, ...]], skipped:
                                param.numel(), count.data_ptr(), *(scales.data_ptr() if codes else 0
                                                                   for scales in (exp_avg_scales, exp_avg_sq_scales))))
     table, block_tensor, block_start = _tables(rows, _ROUNDED_COLUMNS, like.device)
-    lr_on_device = isinstance(lr, Tensor)
-    beta1, beta2 = betas
     _adamw_rounded_blocks_kernel[(block_tensor.numel(),)](
         table, block_tensor, block_start, skipped, like, moment_like.view(torch.int8 if codes else torch.int16),
-        lr if lr_on_device else table, 0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2),
-        eps, weight_decay, LR_ON_DEVICE=lr_on_device, CODES=codes, COLUMNS=_ROUNDED_COLUMNS,
+        *_rule_arguments(lr, betas, eps, weight_decay, table), LR_ON_DEVICE=isinstance(lr, Tensor), CODES=codes,
+        COLUMNS=_ROUNDED_COLUMNS,
         ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(),
         MOMENT_ELEMENTS_PER_UNIT=ALIGNMENT // moment_like.element_size(), BLOCK=BLOCK, CODE_BLOCK=CODE_BLOCK,
     )
+
+
+def _rule_arguments(lr: float | Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
+                    placeholder: Tensor) -> tuple[Tensor | float, ...]:
+    """The update rule's arguments both kernels end with: lr as a device tensor (its number slot 0.0) or as a number
+    (`placeholder` in its tensor slot), the betas and their base-2 logarithms, eps and the weight decay."""
+    beta1, beta2 = betas
+    on_device = isinstance(lr, Tensor)
+    return (lr if on_device else placeholder, 0.0 if on_device else float(lr), beta1, beta2, _log2(beta1),
+            _log2(beta2), eps, weight_decay)
 
 
 def launchable(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor) -> bool:
