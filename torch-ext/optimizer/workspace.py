@@ -17,8 +17,8 @@ class Workspace:
     tensor that size is faulted in page by page again: on GPT-2's (12, 768, 3072) bf16 bucket a fresh X cost as much
     as the product that fills it (2-core Xeon with AMX: `bmm` 37 ms into a new tensor, 20 ms into a used one), and a
     step of the GPT-2-small set faulted in ~400 MB. GPUs' caching allocators reuse memory already, and under
-    torch.compile the compiler plans memory. Blocks outlive the step (the price: the largest bucket's Newton-Schulz
-    tensors stay allocated between steps, ~200 MB for GPT-2 small in bfloat16), and a block's contents are only valid
+    torch.compile the compiler plans memory. Blocks outlive the step (the price: the largest chunk's Newton-Schulz
+    tensors stay allocated between steps, 81 MiB for GPT-2 small in bfloat16), and a block's contents are only valid
     until its name is requested again, so a caller finishes with one bucket before the next asks.
     """
 
