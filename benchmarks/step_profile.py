@@ -1,5 +1,6 @@
 """Where one optimizer step's time goes, ours beside torch's, on GPT-2 small's parameters (its 48 hidden matrices to
-Muon, its vectors and token embedding to AdamW): torch.profiler over the third step of each (the first creates the
+Muon, its vectors and token embedding to AdamW) and on the MNIST MLP 784-256-256-10's (3 matrices, 3 biases), whose
+step is all host work on a GPU (the H200, 2026-11-26: 2.31 ms against torch's 1.29): torch.profiler over the third step of each (the first creates the
 state, the second warms the caches), with the count of operators and of kernel launches, and each one's costliest
 operators by host time.
 
@@ -20,14 +21,17 @@ from torch.profiler import ProfilerActivity, profile
 
 BENCHMARKS = Path(__file__).resolve().parent
 TOP = 25
+# The runtime calls that launch a kernel: torch's own kernels, and Triton's (cuLaunchKernelEx).
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 def _steps(optimizer, device: torch.device) -> dict[str, Callable[[], None]]:
     import bench  # noqa: PLC0415 (the shapes and parameters the step benchmark uses)
     import step_memory  # noqa: PLC0415 (the optimizers, configured as the memory benchmark configures them)
 
-    matrices, vectors = bench._step_params(device, bench.GPT2_SMALL_BLOCK, bench.GPT2_SMALL_VECTORS,
-                                           bench.GPT2_BLOCKS, [bench.GPT2_EMBEDDING])
+    models = {"GPT-2 small": (bench.GPT2_SMALL_BLOCK, bench.GPT2_SMALL_VECTORS, bench.GPT2_BLOCKS,
+                              [bench.GPT2_EMBEDDING]),
+              "MNIST MLP": (bench.MNIST_MLP, bench.MNIST_MLP_VECTORS, 1, [])}
 
     def stepping(optimizers: list[torch.optim.Optimizer]) -> Callable[[], None]:
         def step() -> None:
@@ -35,8 +39,12 @@ def _steps(optimizer, device: torch.device) -> dict[str, Callable[[], None]]:
                 opt.step()
         return step
 
-    return {label: stepping(step_memory._optimizers(optimizer, label, matrices, vectors))
-            for label in ("torch.optim.Muon + AdamW", "optimizer.Muon (defaults)")}
+    steps = {}
+    for model, shapes in models.items():
+        matrices, vectors = bench._step_params(device, *shapes)
+        for label in ("torch.optim.Muon + AdamW", "optimizer.Muon (defaults)"):
+            steps[f"{model}: {label}"] = stepping(step_memory._optimizers(optimizer, label, matrices, vectors))
+    return steps
 
 
 def _synchronize(device: torch.device) -> None:
@@ -56,7 +64,7 @@ def profile_step(step: Callable[[], None], device: torch.device) -> list[str]:
         wall_ms = (time.perf_counter() - start) * 1e3
     events = trace.events()
     operators = sum(1 for event in events if _is_operator(event) and not _is_operator(event.cpu_parent))
-    launches = sum(1 for event in events if event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    launches = sum(1 for event in events if event.name in _LAUNCHES)
     table = trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP, max_name_column_width=60)
     return [f"step {wall_ms:.2f} ms (profiled); operators called from Python: {operators}; kernel launches: {launches}",
             "", "```", table, "```"]
