@@ -1,8 +1,8 @@
 """Where one optimizer step's time goes, ours beside torch's, on GPT-2 small's parameters (its 48 hidden matrices to
 Muon, its vectors and token embedding to AdamW) and on the MNIST MLP 784-256-256-10's (3 matrices, 3 biases), whose
-step is all host work on a GPU (the H200, 2026-11-26: 2.31 ms against torch's 1.29): torch.profiler over the third step of each (the first creates the
-state, the second warms the caches), with the count of operators and of kernel launches, and each one's costliest
-operators by host time.
+step is all host work on a GPU (the H200, 2026-11-26: 2.31 ms against torch's 1.29): torch.profiler over the third
+step of each (the first creates the state, the second warms the caches), with the count of operators and of kernel
+launches, and each one's costliest operators by host time.
 
 On a GPU a small model's step is bound by the host, not by the products (the H100 run of 2026-11-23: 24 ms for ~2 ms
 of Newton-Schulz), so the launch count and the host time per operator are what to shrink.

@@ -151,7 +151,8 @@ def _merged(parts: Sequence[tuple[list[int], Tensor]], total: int) -> Tensor:
 
 
 def buckets(items: Sequence[MuonTensors]) -> list[list[MuonTensors]]:
-    """The items as `muon_update` orthogonalizes them, one batched call per bucket."""
+    """The items as `muon_update` orthogonalizes them: one batched call per bucket of same-shape matrices, or per
+    chunk of a large one (`_chunks`)."""
     return [chunk for bucket in _bucket(items).values() for chunk in _chunks(bucket)]
 
 

@@ -315,7 +315,8 @@ class _Buffers:
         if not self.enabled:
             return None, None, None
         square = (*X.shape[:-1], X.shape[-2])
-        return self.get("A", square, X.dtype), self.get("P", square, X.dtype), self.get(f"X{step % 2}", X.shape, X.dtype)
+        return (self.get("A", square, X.dtype), self.get("P", square, X.dtype),
+                self.get(f"X{step % 2}", X.shape, X.dtype))
 
     def adopt(self, name: str, tensor: Tensor) -> None:
         """Use `tensor` (the caller's to overwrite, contiguous) as the buffer `name`."""
