@@ -57,7 +57,10 @@ def _as_real(value: Any) -> float | None:
     """A Python, numpy or one-element tensor real number as a float; None for anything else (bool included).
 
     torch optimizers take a tensor lr, so that a compiled training loop does not recompile as the schedule moves it,
-    and numpy scalars come from configuration libraries."""
+    and numpy scalars come from configuration libraries. Python floats and ints are answered before the `numbers.Real`
+    check, an abstract class's, which the step asks of every option of every group."""
+    if type(value) in (float, int):
+        return float(value)
     if isinstance(value, Tensor):
         return float(value) if _is_real_scalar(value) else None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
