@@ -4,6 +4,7 @@ no-op, and on a GPU the real thing."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -32,10 +33,15 @@ def _train(params: list[torch.Tensor], steps: int, **options) -> Muon:
     return opt
 
 
+@pytest.mark.parametrize("muon_chunks", [False, True], ids=["whole buckets", "a matrix a chunk"])
 @pytest.mark.parametrize("adamw_group_bytes", [None, 1], ids=["default groups", "one AdamW tensor a group"])
 @pytest.mark.parametrize("state_dtype", [None, "int8"])
-def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, state_dtype, adamw_group_bytes) -> None:
+def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, state_dtype, adamw_group_bytes,
+                                                                  muon_chunks) -> None:
     log: list[str] = []
+    functional = sys.modules[f"{optimizer.__name__}.functional"]
+    chunk_numel = {"cpu": 1} if muon_chunks else functional._BUCKET_NUMEL
+    monkeypatch.setattr(functional, "_BUCKET_NUMEL", chunk_numel)
     if adamw_group_bytes is not None:
         monkeypatch.setattr(offload_module, "ADAMW_GROUP_BYTES", adamw_group_bytes)
     for name in ("muon_update", "adamw_update"):
@@ -47,16 +53,18 @@ def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, s
         warnings.simplefilter("ignore")  # the CPU-only notice, tested below
         staged = _train(staged_params, 3, state_dtype=state_dtype, offload="cpu")
     monkeypatch.undo()
+    monkeypatch.setattr(functional, "_BUCKET_NUMEL", chunk_numel)  # the same batches, so the same roundings
     plain = _train(plain_params, 3, state_dtype=state_dtype)
     for staged_param, plain_param in zip(staged_params, plain_params):
         assert torch.equal(staged_param, plain_param)
         for key, value in plain.state[plain_param].items():
             assert torch.equal(staged.state[staged_param][key], value), key
-    # Per step: Muon's three buckets ((32, 16) twice, (24, 16), (16, 48)), then AdamW's two tensors, in one group
-    # (a few hundred bytes of state) or, with a budget of one byte, one at a time. Group i + 1's fetch is issued
-    # before group i's update, and group i's write-back after it.
-    muon_schedule = ["fetch", "ready", "fetch", "update", "write_back", "ready", "fetch", "update", "write_back",
-                     "ready", "update", "write_back", "finish"]
+    # Per step: Muon's three buckets ((32, 16) twice, (24, 16), (16, 48)), or in chunks of one matrix four, then
+    # AdamW's two tensors, in one group (a few hundred bytes of state) or, with a budget of one byte, one at a time.
+    # Group i + 1's fetch is issued before group i's update, and group i's write-back after it.
+    muon_groups = 4 if muon_chunks else 3
+    muon_schedule = (["fetch", "ready"] + ["fetch", "update", "write_back", "ready"] * (muon_groups - 1)
+                     + ["update", "write_back", "finish"])
     adamw_schedule = (["fetch", "ready", "update", "write_back", "finish"] if adamw_group_bytes is None else
                       ["fetch", "ready", "fetch", "update", "write_back", "ready", "update", "write_back", "finish"])
     assert log == (muon_schedule + adamw_schedule) * 3
