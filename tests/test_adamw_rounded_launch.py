@@ -1,7 +1,8 @@
 """The one Triton launch for AdamW parameters whose moments are stored rounded (`state_dtype` bfloat16 or "int8"),
-under the Triton interpreter on the CPU (on a GPU where one runs the tests): against torch's fused AdamW started from the moments the state held, each
-stored moment one stochastic rounding from torch's float32 result and rounded as the per-parameter path rounds it;
-skipped parameters untouched; tensors the kernel cannot take left to the per-parameter path."""
+under the Triton interpreter on the CPU (on a GPU where one runs the tests): against torch's fused AdamW started from
+the moments the state held, each stored moment one stochastic rounding from torch's float32 result and rounded as the
+per-parameter path rounds it; skipped parameters untouched; tensors the kernel cannot take left to the per-parameter
+path."""
 
 from __future__ import annotations
 

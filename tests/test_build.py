@@ -95,7 +95,8 @@ def test_variant_records_its_git_provenance(variant_dir: Path) -> None:
 
 
 def test_kernels_info_shows_every_field() -> None:
-    result = subprocess.run([console_script("kernels"), "info", "--json", str(REPO_ROOT)], capture_output=True, text=True)
+    result = subprocess.run([console_script("kernels"), "info", "--json", str(REPO_ROOT)], capture_output=True,
+                            text=True)
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     missing = [field for field in ("name", "version", "kernels_minver", "license", "upstream", "source")

@@ -268,8 +268,8 @@ def launchable_rounded(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq:
         stored = torch.bfloat16
     elif exp_avg_scales is not None and exp_avg_sq_scales is not None:
         stored = torch.int8
-        if not shape or shape[-1] % CODE_BLOCK or not all(
-                scales.dtype == torch.float32 and scales.is_contiguous() for scales in (exp_avg_scales, exp_avg_sq_scales)):
+        if not shape or shape[-1] % CODE_BLOCK or not all(scales.dtype == torch.float32 and scales.is_contiguous()
+                                                          for scales in (exp_avg_scales, exp_avg_sq_scales)):
             return False
     else:
         return False

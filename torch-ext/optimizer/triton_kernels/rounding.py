@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _mix(word):
     """MurmurHash3's 32-bit finalizer: every input bit flips about half of the output bits."""
