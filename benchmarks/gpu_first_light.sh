@@ -2,16 +2,17 @@
 # Everything a GPU machine should run, one command: build the CUDA variant against the machine's own torch, run the
 # whole test suite with the CUDA cases and compiled Triton, the GPU correctness checks, the demo on the GPU and the
 # benchmarks, and `kernels benchmark` on the checkout. OUTDIR/summary.txt gets the machine's description and one line
-# per stage, OUTDIR/<stage>.log each stage's output; the correctness table, the benchmark table and the profile of one
-# GPT-2-small step (ours and torch's: operators, kernel launches, host time per operator) land in OUTDIR too (twelve
-# files in all). Stages run in the order listed below; the tests of the files with GPU cases come right after the
+# per stage, OUTDIR/<stage>.log each stage's output; the correctness table, the benchmark table and the profiles of
+# single steps (ours and torch's: operators, kernel launches, host and kernel time per operator) land in OUTDIR too. Stages run in the order listed below; the tests of the files with GPU cases come right after the
 # build, the rest of the suite last. The test stage includes the notebook (tests/test_notebook.py: nbclient,
 # nbformat, ipykernel) and the get_kernel + LOCAL_KERNELS load, so those must be installed too: wheels found in .whl/
 # (kernels, the Jupyter packages, the peers measured beside us, the workflow linters, downloaded where an index can be
 # reached: the GPU machine cannot reach one) are installed beside the machine's own torch first.
-#   benchmarks/gpu_first_light.sh OUTDIR [stage,...]   (stages: build,gpu-tests,bench,check,ncu,profile,demo,hub,test)
-# BENCH_SECTIONS=step (say) narrows the bench stage to bench.py's sections named, where the others were measured. One
-# more stage runs only when named: ncu (benchmarks/gram_kernel_profile.py under Nsight Compute).
+#   benchmarks/gpu_first_light.sh OUTDIR [stage,...]
+#   (stages: build,gpu-tests,bench,check,ncu,chunks,profile,demo,hub,test)
+# BENCH_SECTIONS=step (say) narrows the bench stage to bench.py's sections named, where the others were measured. Two
+# more stages run only when named: ncu (benchmarks/gram_kernel_profile.py under Nsight Compute) and chunks
+# (benchmarks/bucket_chunks.py: the step's time and peak memory at each chunk size of the Muon buckets).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: benchmarks/gpu_first_light.sh OUTDIR [stage,stage,...]}")
 stages=",${2:-build,gpu-tests,bench,check,profile,demo,hub,test},"
@@ -75,7 +76,8 @@ stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
 stage ncu 200 "${NCU:-ncu}" --nvtx --nvtx-include "measure/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
   --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats --section Occupancy \
   --section LaunchStats "$PY" benchmarks/gram_kernel_profile.py
-stage profile 120 "$PY" benchmarks/step_profile.py --out "$out/step_profile.md"
+stage chunks 200 "$PY" benchmarks/bucket_chunks.py --out "$out/bucket_chunks.md"
+stage profile 240 "$PY" benchmarks/step_profile.py --out "$out/step_profile.md"
 stage demo 120 "$PY" examples/train_gpt.py --device cuda --out "${TMPDIR:-/tmp}/optimizer-demo"
 stage hub 300 "$PY" -c 'import sys; from kernels.cli import main; sys.argv = ["kernels", "benchmark", "."]; main()'
 stage test 500 "${pytest[@]}" $xdist tests $(printf -- "--ignore=%s " $gpu_files)
