@@ -65,9 +65,9 @@ def _step(items: list, monkeypatch: pytest.MonkeyPatch, *, rounded_launch: bool)
     launches: list[list[int]] = []
     with monkeypatch.context() as patch:
         patch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", (DEVICE,))
-        launch = functional.launch_adamw_rounded_
-        patch.setattr(functional, "launch_adamw_rounded_", lambda rows, *args, **kwargs: (
-            launches.append([tuple(row[0].shape) for row in rows]), launch(rows, *args, **kwargs)))
+        tabulate = functional.tabulate_rounded
+        patch.setattr(functional, "tabulate_rounded", lambda rows, *args, **kwargs: (
+            launches.append([tuple(row[0].shape) for row in rows]), tabulate(rows, *args, **kwargs))[1])
         if not rounded_launch:
             patch.setattr(functional, "_fits_rounded_launch", lambda item: False)
         functional.adamw_update(items, None, **SETTINGS)
@@ -148,3 +148,23 @@ def test_one_launch_rounds_as_the_per_parameter_path(state_dtype, param_dtype, m
                                    atol=1e-7, equal_nan=True)
         assert torch.equal(item.rounding_count, reference.rounding_count)
         assert torch.equal(item.step, reference.step)
+
+
+def test_counts_move_by_torch_ops_where_their_launch_fails_after_the_update(monkeypatch) -> None:
+    ours, reference = _items(torch.bfloat16), _items(torch.bfloat16)
+    _step(reference, monkeypatch, rounded_launch=True)
+    monkeypatch.setattr(functional, "_one_launch_failed", set())
+
+    def failing_launch(*args, **kwargs) -> None:
+        raise RuntimeError("out of resources")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(functional, "launch_counts_", failing_launch)
+        with pytest.warns(RuntimeWarning, match="one-launch AdamW kernel failed.*out of resources"):
+            _step(ours, monkeypatch, rounded_launch=True)
+    # The update as the launch wrote it, and every count (step, skips, rounded writes) moved once by its flag.
+    for item, expected in zip(ours, reference):
+        for name, value in vars(expected).items():
+            if value is not None:
+                torch.testing.assert_close(getattr(item, name), value, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert functional._one_launch_failed == {torch.device(DEVICE).type}

@@ -134,10 +134,10 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
     launches = []
-    launch = functional.launch_adamw_
-    monkeypatch.setattr(functional, "launch_adamw_",
+    tabulate = functional.tabulate
+    monkeypatch.setattr(functional, "tabulate",
                         lambda tensors, *args, **kwargs: launches.append([row[0].dtype for row in tensors])
-                        or launch(tensors, *args, **kwargs))
+                        or tabulate(tensors, *args, **kwargs))
     torch.manual_seed(0)
     wide, longer = torch.randn(9, 7), torch.randn(17)
     # The last two: a transposed view, and a contiguous view starting 4 bytes into its storage.
@@ -151,6 +151,29 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
     # truncates its stores); an ulp is at most eps * |value|.
     bound = 3 * torch.finfo(torch.bfloat16).eps * theirs[2].float().abs()
     assert ((ours[2].float() - theirs[2].float()).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
+def test_a_counts_launch_that_fails_after_the_update_leaves_the_counts_to_torch_and_the_rest_to_fused_adamw(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(functional, "_one_launch_failed", set())
+    attempts = []
+
+    def failing_launch(*args, **kwargs) -> None:
+        attempts.append(1)
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(functional, "launch_counts_", failing_launch)
+    torch.manual_seed(0)
+    # Two launch groups (float32, bfloat16): the first is updated by its launch before its counts fail, the second
+    # goes to torch's fused kernel; three steps' bias corrections check every count.
+    ours = [torch.randn(37), torch.randn(16).bfloat16(), torch.randn(5, 3)]
+    with pytest.warns(RuntimeWarning, match="one-launch AdamW kernel failed on cpu.*out of resources"):
+        theirs = stepped_beside_fused_adamw(ours, steps=3)
+    assert attempts == [1]
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")

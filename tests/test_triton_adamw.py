@@ -39,12 +39,13 @@ class Stepped:
             reference.grad = None if skip else grad.clone()
         self.torch_adamw.step()
         flags = torch.tensor(skipped, dtype=torch.float32, device=DEVICE)
-        for step, skip in zip(self.steps, skipped):
-            step += 0.0 if skip else 1.0
         for grad, skip in zip(grads, skipped):
             if skip:
                 grad.view(-1)[:1] = float("nan")  # a skipped tensor's gradient is never read
         adamw_flagged_(self.params, grads, self.exp_avgs, self.exp_avg_sqs, self.steps, flags, **self.settings)
+        # The op moves the step counts of the tensors it stepped, as torch's AdamW keeps them.
+        for index, step in enumerate(self.steps):
+            assert float(step) == float(self.torch_adamw.state.get(self.reference[index], {}).get("step", 0.0))
 
     def torch_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         reference = self.reference[index]
@@ -154,3 +155,22 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match="the tensors are on the CPU"):
         adamw_flagged_(_tensors(1), _tensors(1), _tensors(1), _tensors(1), [torch.zeros(())], torch.zeros(1),
                        **SETTINGS)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_gradients_holding_nan_or_inf_are_flagged_on_the_device_as_torch_finds_them(dtype: torch.dtype) -> None:
+    adamw = importlib.import_module(f"{triton_kernels.__name__}.adamw")
+    generator = torch.Generator().manual_seed(1)
+    grads = random_tensors(dtype, generator)
+    # One non-finite entry each: a one-entry tensor, the entry just past a first block, the last entry of a third
+    # block, a matrix's last entry; the empty tensor is finite.
+    for index, position, value in [(0, 0, float("nan")), (3, BLOCK, float("inf")), (4, -1, -float("inf")),
+                                   (5, 20, float("nan"))]:
+        grads[index].view(-1)[position] = value
+    grads[2].view(-1)[-1] = torch.finfo(dtype).max  # the largest finite value stays finite
+    rows = [(torch.zeros_like(grad), grad, torch.zeros_like(grad), torch.zeros_like(grad),
+             torch.zeros((), device=DEVICE)) for grad in grads]
+    flags = adamw.launch_nonfinite_(adamw.tabulate(rows))
+    expected = torch.tensor([float(not grad.isfinite().all()) for grad in grads], device=DEVICE)
+    assert torch.equal(flags, expected) and expected.sum() == 4

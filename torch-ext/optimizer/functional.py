@@ -23,7 +23,8 @@ from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
-from .triton_kernels import TRITON_AVAILABLE, launch_adamw_, launch_adamw_rounded_, launchable, launchable_rounded
+from .triton_kernels import (TRITON_AVAILABLE, launch_adamw_, launch_counts_, launch_nonfinite_, launchable,
+                             launchable_rounded, tabulate, tabulate_rounded)
 from .workspace import Workspace
 
 T = TypeVar("T")
@@ -304,9 +305,10 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr:
                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """AdamW with a skip flag per parameter: found_inf is (N,) float32 on the items' device, 1.0 where that
     parameter's step is skipped; None: no gradient was checked yet, and each is checked here (plain tensors only: a
-    DTensor's flag takes its ranks). On GPUs, with Triton, one launch per dtype for all parameters whose tensors are
-    contiguous and whose moments are stored as they are (`_adamw_one_launch_`); torch's fused kernel for the rest,
-    one call per parameter, each with its flag (no host read); on the CPU the flags are read (`_adamw_cpu_`).
+    DTensor's flag takes its ranks). On GPUs, with Triton, one launch per dtype and stored form for all parameters
+    whose tensors are contiguous (`_adamw_one_launch_`, which also checks their gradients and moves their counts on
+    the device); torch's fused kernel for the rest, one call per parameter, each with its flag (no host read); on
+    the CPU the flags are read (`_adamw_cpu_`).
 
     The kernel is called directly: `torch.optim.adamw.adamw`'s grouping and checks cost ~25 µs per call, more than the
     kernel itself on a bias vector, and here each call holds one tensor of known device and dtype. What that wrapper
@@ -315,25 +317,30 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr:
         raise ValueError(f"found_inf has shape {tuple(found_inf.shape)} for {len(items)} parameters")
     if not items:
         return
-    device_type = items[0].param.device.type
-    if device_type == "cpu" and not one_launch_serves(device_type):
+    device = items[0].param.device
+    if device.type == "cpu" and not one_launch_serves(device.type):
         _adamw_cpu_(items, found_inf, lr=float(lr), betas=betas, eps=eps, weight_decay=weight_decay)
         return
-    if found_inf is None:
-        found_inf = nonfinite_flags([item.grad for item in items])
-    settings = dict(lr=lr.to(found_inf.device) if isinstance(lr, Tensor) else lr, betas=betas, eps=eps,
+    settings = dict(lr=lr.to(device) if isinstance(lr, Tensor) else lr, betas=betas, eps=eps,
                     weight_decay=weight_decay)
-    # The bookkeeping of all parameters in two foreach calls: an op per parameter costs more than a bias's update.
-    torch._foreach_add_([item.step for item in items], (1 - found_inf).unbind())
-    torch._foreach_add_([item.nonfinite_skips for item in items], found_inf.to(torch.int64).unbind())
-    if one_launch_serves(device_type):
-        left = _adamw_one_launch_(items, found_inf, **settings)
+    left = _adamw_one_launch_(items, found_inf, **settings) if one_launch_serves(device.type) else range(len(items))
+    if not left:
+        return
+    rest = [items[index] for index in left]
+    if found_inf is None:
+        flags = nonfinite_flags([item.grad for item in rest])
     else:
-        left = list(range(len(items)))
-    if left:
-        flags = found_inf.unbind()
-        for index in left:
-            _fused_adamw_one_(items[index], flags[index], **settings)
+        flags = found_inf if len(rest) == len(items) else found_inf[list(left)]
+    _count_steps_(rest, flags)
+    for item, flag in zip(rest, flags.unbind()):
+        _fused_adamw_one_(item, flag, **settings)
+
+
+def _count_steps_(items: Sequence[AdamWTensors], skipped: Tensor) -> None:
+    """Each parameter's step count moves by 1 - flag and its skip count by its flag, in two foreach calls (an op per
+    parameter costs more than a bias's update)."""
+    torch._foreach_add_([item.step for item in items], (1 - skipped).unbind())
+    torch._foreach_add_([item.nonfinite_skips for item in items], skipped.to(torch.int64).unbind())
 
 
 def one_launch_serves(device_type: str) -> bool:
@@ -345,13 +352,14 @@ def one_launch_serves(device_type: str) -> bool:
     return device_type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
-def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: LearningRate,
+def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: LearningRate,
                        betas: tuple[float, float], eps: float, weight_decay: float) -> list[int]:
     """The parameters the Triton kernels take, in one launch per dtype and stored form of their moments, each with its
-    skip flag: those `_fits_one_launch` takes, and those whose moments are stored rounded that `_fits_rounded_launch`
-    takes (their rounding counts then move by the flags). Returns the indices of the others. Where a kernel fails to
-    build or launch (nothing written then), says so once and returns the indices it had not done, for torch's fused
-    kernel, now and at every later step."""
+    skip flag (found_inf's, or where None, its gradient checked by a launch before): those `_fits_one_launch` takes,
+    and those whose moments are stored rounded that `_fits_rounded_launch` takes; a launch after moves their step,
+    skip and rounding counts by the flags. Returns the indices of the others. Where a kernel fails to build or launch
+    before the update is written, says so once and returns the indices it had not done, for torch's fused kernel,
+    now and at every later step."""
     groups: dict[tuple[torch.dtype, torch.dtype | None], list[int]] = {}
     left = []
     for index, item in enumerate(items):
@@ -363,28 +371,42 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor, *, lr: 
             left.append(index)
     settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     for done, ((_, stored), indices) in enumerate(groups.items()):
-        skipped = found_inf if len(indices) == len(items) else found_inf[indices]
         group = [items[i] for i in indices]
+        skip_counts = [item.nonfinite_skips for item in group]
+        if stored is None:
+            tabulated = tabulate([(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step) for item in group],
+                                 skip_counts)
+        else:
+            tabulated = tabulate_rounded([(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step,
+                                           item.rounding_count, item.exp_avg_scales, item.exp_avg_sq_scales)
+                                          for item in group], skip_counts)
         try:
-            if stored is None:
-                launch_adamw_([(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step) for item in group],
-                              skipped, **settings)
+            if found_inf is None:
+                skipped = launch_nonfinite_(tabulated)
             else:
-                launch_adamw_rounded_([(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step,
-                                        item.rounding_count, item.exp_avg_scales, item.exp_avg_sq_scales)
-                                       for item in group], skipped, **settings)
+                skipped = found_inf if len(indices) == len(items) else found_inf[indices]
+            launch_adamw_(tabulated, skipped, **settings)
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
-            device = found_inf.device
-            _one_launch_failed.add(device.type)
-            warnings.warn(f"the one-launch AdamW kernel failed on {device} ({error!r}); AdamW-routed parameters go "
-                          "through torch's fused AdamW kernel, one call per parameter, from now on", RuntimeWarning,
-                          stacklevel=2)
+            _one_launch_fails(error, items[0].param.device)
             return left + [index for indices in list(groups.values())[done:] for index in indices]
-        if stored is not None:
-            advance_counts_([item.rounding_count for item in group], 1.0 - skipped)
+        try:
+            launch_counts_(tabulated, skipped)
+        except Exception as error:  # noqa: BLE001 (as above; the update is written, so its counts move by torch's ops)
+            _one_launch_fails(error, items[0].param.device)
+            _count_steps_(group, skipped)
+            if stored is not None:
+                advance_counts_([item.rounding_count for item in group], 1.0 - skipped)
+            return left + [index for indices in list(groups.values())[done + 1:] for index in indices]
     return left
+
+
+def _one_launch_fails(error: Exception, device: torch.device) -> None:
+    """Says once that the Triton kernels failed on this device type, whose AdamW part takes torch's from now on."""
+    _one_launch_failed.add(device.type)
+    warnings.warn(f"the one-launch AdamW kernel failed on {device} ({error!r}); AdamW-routed parameters go through "
+                  "torch's fused AdamW kernel, one call per parameter, from now on", RuntimeWarning, stacklevel=3)
 
 
 def _fits_one_launch(item: AdamWTensors) -> bool:

@@ -12,12 +12,13 @@ else:
     TRITON_AVAILABLE = True
 
 if TRITON_AVAILABLE:
-    from .adamw import adamw_flagged_, launch_adamw_, launch_adamw_rounded_, launchable, launchable_rounded
+    from .adamw import (adamw_flagged_, launch_adamw_, launch_counts_, launch_nonfinite_, launchable,
+                        launchable_rounded, tabulate, tabulate_rounded)
     from .symmetric_poly import ba_plus_caa
     from .xxt import xxt
 else:
-    from ._without_triton import (adamw_flagged_, ba_plus_caa, launch_adamw_, launch_adamw_rounded_, launchable,
-                                  launchable_rounded, xxt)
+    from ._without_triton import (adamw_flagged_, ba_plus_caa, launch_adamw_, launch_counts_, launch_nonfinite_,
+                                  launchable, launchable_rounded, tabulate, tabulate_rounded, xxt)
 
-__all__ = ["TRITON_AVAILABLE", "adamw_flagged_", "ba_plus_caa", "launch_adamw_", "launch_adamw_rounded_", "launchable",
-           "launchable_rounded", "xxt"]
+__all__ = ["TRITON_AVAILABLE", "adamw_flagged_", "ba_plus_caa", "launch_adamw_", "launch_counts_",
+           "launch_nonfinite_", "launchable", "launchable_rounded", "tabulate", "tabulate_rounded", "xxt"]

@@ -23,18 +23,30 @@ def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: 
     raise RuntimeError(_MISSING.format(name="adamw_flagged_"))
 
 
-def launch_adamw_(tensors: Sequence[tuple[Tensor, ...]], skipped: Tensor, *, lr: float | Tensor,
-                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+def tabulate(tensors: Sequence[tuple[Tensor, ...]], skip_counts: Sequence[Tensor] | None = None) -> object:
+    raise RuntimeError(_MISSING.format(name="tabulate"))
+
+
+def tabulate_rounded(tensors: Sequence[tuple[Tensor | None, ...]],
+                     skip_counts: Sequence[Tensor] | None = None) -> object:
+    raise RuntimeError(_MISSING.format(name="tabulate_rounded"))
+
+
+def launch_nonfinite_(tabulated: object) -> Tensor:
+    raise RuntimeError(_MISSING.format(name="launch_nonfinite_"))
+
+
+def launch_adamw_(tabulated: object, skipped: Tensor, *, lr: float | Tensor, betas: tuple[float, float], eps: float,
+                  weight_decay: float) -> None:
     raise RuntimeError(_MISSING.format(name="launch_adamw_"))
+
+
+def launch_counts_(tabulated: object, skipped: Tensor) -> None:
+    raise RuntimeError(_MISSING.format(name="launch_counts_"))
 
 
 def launchable(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor) -> bool:
     raise RuntimeError(_MISSING.format(name="launchable"))
-
-
-def launch_adamw_rounded_(tensors: Sequence[tuple[Tensor | None, ...]], skipped: Tensor, *, lr: float | Tensor,
-                          betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    raise RuntimeError(_MISSING.format(name="launch_adamw_rounded_"))
 
 
 def launchable_rounded(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor,

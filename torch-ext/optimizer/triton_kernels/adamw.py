@@ -4,7 +4,10 @@ The optimizer skips a parameter whose gradient holds a NaN or Inf, and on a GPU 
 (reading the flags would stall the host). torch's fused AdamW takes one `found_inf` for all its tensors, so a flag
 per parameter meant one launch per parameter: 97 for GPT-2 small, each costing more host time than a bias's
 update. Here a table of addresses (parameter, gradient, moments, step count, size per tensor) and one flag per
-tensor go to a single launch whose programs each update one block of one tensor.
+tensor go to a single launch whose programs each update one block of one tensor. The same table serves two smaller
+launches around it: one that flags the tensors whose gradients hold a NaN or Inf (before), and one that moves each
+tensor's step count, skip count and count of rounded writes by its flag (after), where torch's multi-tensor norms
+and per-tensor `foreach` additions made about ten operator calls, each allocating a result per tensor.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,12 +32,13 @@ BLOCK = 2048
 # A row of the address table per tensor, what each of its programs reads before its block: where its parameter,
 # gradient, first and second moment start, in 16-byte units from where the first parameter (first moment) starts,
 # then its step count's address and its size; with moments stored rounded, also its count of rounded writes' address
-# and, for 8-bit codes, the addresses of its moments' block scales. As multiples of 16 bytes from a pointer argument
+# and, for 8-bit codes, the addresses of its moments' block scales; last, its skip count's address (0: none kept).
+# As multiples of 16 bytes from a pointer argument
 # (which Triton knows to be 16-byte aligned), the tensors' addresses are known to the compiler to be aligned, so it can
 # load and store them 16 bytes at a time; raw addresses loaded from memory would tell it nothing and leave it to move
 # one element per instruction.
-_COLUMNS = 6
-_ROUNDED_COLUMNS = 9
+_COLUMNS = 7
+_ROUNDED_COLUMNS = 10
 _NUMEL = 5
 ALIGNMENT = 16
 # Entries per scale of 8-bit codes, along the last dim (state_precision.BLOCK): a program's BLOCK entries are whole
@@ -60,10 +65,11 @@ def _start(like, row, column: tl.constexpr, ELEMENTS_PER_UNIT: tl.constexpr):
 
 @triton.jit
 def _step_rule(row, lr_on_device, lr, log2_beta1, log2_beta2, weight_decay, LR_ON_DEVICE: tl.constexpr):
-    """This step's constants for the tensor of the table row: the bias corrections in float64 from the step count as
-    it is after this step's increment, as torch's fused kernel takes them (there with pow; here beta^step as
-    exp2(step * log2 beta)); returns (step size, decay, sqrt of the second bias correction) for the fp32 arithmetic."""
-    step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64)
+    """This step's constants for the tensor of the table row: the bias corrections in float64 from the step count
+    after this step's increment (the count is read as it was before: `_counts_kernel` moves it after the update), as
+    torch's fused kernel takes them (there with pow; here beta^step as exp2(step * log2 beta)); returns (step size,
+    decay, sqrt of the second bias correction) for the fp32 arithmetic."""
+    step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64) + 1.0
     if LR_ON_DEVICE:
         lr = tl.load(lr_on_device).to(tl.float64)
     bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
@@ -79,6 +85,39 @@ def _adamw_entries(p, g, m, v, step_size, decay, bias_correction2_sqrt, beta1, b
     v = beta2 * v + (1.0 - beta2) * g * g
     denominator = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     return p - tl.div_rn(step_size * m, denominator), m, v
+
+
+@triton.jit
+def _nonfinite_blocks_kernel(table, block_tensor, block_start, flags, like, COLUMNS: tl.constexpr,
+                             ELEMENTS_PER_UNIT: tl.constexpr, BLOCK: tl.constexpr):
+    """flags[t] = 1.0 (from 0.0) for each tensor t whose gradient holds a NaN or Inf: each program reads one block;
+    every program that finds one stores the same value, so they need no order among them."""
+    block = tl.program_id(0)
+    tensor = tl.load(block_tensor + block)
+    row = table + tensor * COLUMNS
+    offsets = tl.load(block_start + block) + tl.arange(0, BLOCK)
+    grad = tl.load(_start(like, row, 1, ELEMENTS_PER_UNIT) + offsets, mask=offsets < tl.load(row + 5),
+                   other=0.0).to(tl.float32)
+    nonfinite = tl.max(((grad != grad) | (tl.abs(grad) == float("inf"))).to(tl.int32), axis=0)
+    tl.store(flags + tensor, 1.0, mask=nonfinite > 0)
+
+
+@triton.jit
+def _counts_kernel(table, skipped, COLUMNS: tl.constexpr, ROUNDED: tl.constexpr, SKIP_COUNTS: tl.constexpr):
+    """After the update, each tensor's counts move by its flag: its step count by 1 - flag (float32), with
+    SKIP_COUNTS its skip count by flag (int64, the row's last column), with ROUNDED its count of rounded writes by
+    1 - flag (int64). One program per tensor."""
+    tensor = tl.program_id(0)
+    row = table + tensor * COLUMNS
+    skip = tl.load(skipped + tensor)
+    step = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    tl.store(step, tl.load(step) + (1.0 - skip))
+    if SKIP_COUNTS:
+        skips = tl.load(row + COLUMNS - 1).to(tl.pointer_type(tl.int64))
+        tl.store(skips, tl.load(skips) + skip.to(tl.int64))
+    if ROUNDED:
+        count = tl.load(row + 6).to(tl.pointer_type(tl.int64))
+        tl.store(count, tl.load(count) + (1.0 - skip).to(tl.int64))
 
 
 @triton.jit
@@ -185,57 +224,112 @@ def adamw_flagged_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: 
                    exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], skipped: Tensor, *, lr: float | Tensor,
                    betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """One AdamW step (decoupled weight decay, torch.optim.AdamW's arithmetic) on every tensor whose flag in
-    `skipped` ((N,) float32) is 0.0; the others, their moments included, are left as they are. `steps` (float32
-    scalars) are read as already advanced for this step. Parameters, gradients and moments: contiguous, of one
-    dtype (float32, bfloat16 or float16), on one device, starting on 16-byte boundaries; `lr` a number or a
-    one-element tensor there."""
+    `skipped` ((N,) float32) is 0.0, whose step count (a float32 scalar, read as it was before this step) then moves
+    by one; the others, their moments and counts included, are left as they are. Parameters, gradients and moments:
+    contiguous, of one dtype (float32, bfloat16 or float16), on one device, starting on 16-byte boundaries; `lr` a
+    number or a one-element tensor there."""
     tensors = _checked(params, grads, exp_avgs, exp_avg_sqs, steps, skipped)
     if not tensors:
         return
     device = params[0].device
     if isinstance(lr, Tensor) and (lr.numel() != 1 or lr.device != device):
         raise ValueError(f"lr is a tensor of shape {tuple(lr.shape)} on {lr.device}; expected one element on {device}")
-    launch_adamw_(tensors, skipped, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    tabulated = tabulate(tensors)
+    launch_adamw_(tabulated, skipped, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    launch_counts_(tabulated, skipped)
 
 
-def launch_adamw_(tensors: Sequence[tuple[Tensor, ...]], skipped: Tensor, *, lr: float | Tensor,
-                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """`adamw_flagged_` on (param, grad, exp_avg, exp_avg_sq, step) rows that `launchable` took, at least one, of one
-    dtype on `skipped`'s device, with a tensor `lr` there: unchecked, for the optimizer's step, which picks its rows
-    with `launchable` (checking them again cost GPT-2 small's 97 AdamW tensors ~0.3 ms of host time per step)."""
+@dataclass(frozen=True)
+class Tabulated:
+    """Tensors of one dtype and one stored form of their moments, as the kernels read them: the address table and
+    the programs' tables (on the device), the tensors the table's 16-byte units count from, and which form."""
+
+    table: Tensor
+    block_tensor: Tensor
+    block_start: Tensor
+    like: Tensor
+    moment_like: Tensor | None  # the first moment the moments' units count from, where they are stored rounded
+    codes: bool  # rounded moments as 8-bit codes with block scales (else bfloat16)
+    skip_counts: bool
+
+    @property
+    def columns(self) -> int:
+        return _COLUMNS if self.moment_like is None else _ROUNDED_COLUMNS
+
+
+def tabulate(tensors: Sequence[tuple[Tensor, ...]], skip_counts: Sequence[Tensor] | None = None) -> Tabulated:
+    """(param, grad, exp_avg, exp_avg_sq, step) rows that `launchable` took, at least one, of one dtype, with each
+    tensor's skip count (int64) where the counts launch moves them: unchecked, for the optimizer's step, which picks
+    its rows with `launchable` (checking them again cost GPT-2 small's 97 AdamW tensors ~0.3 ms of host time per
+    step)."""
     like = tensors[0][0]
     base = like.data_ptr()
-    rows = tuple(value for param, grad, exp_avg, exp_avg_sq, step in tensors
-                 for value in (*_units(base, param, grad, exp_avg, exp_avg_sq), step.data_ptr(), param.numel()))
-    table, block_tensor, block_start = _tables(rows, _COLUMNS, like.device)
-    _adamw_blocks_kernel[(block_tensor.numel(),)](
-        table, block_tensor, block_start, skipped, like, *_rule_arguments(lr, betas, eps, weight_decay, table),
-        LR_ON_DEVICE=isinstance(lr, Tensor), COLUMNS=_COLUMNS, ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(),
-        BLOCK=BLOCK,
-    )
+    skips = _addresses(skip_counts, len(tensors))
+    rows = tuple(value for (param, grad, exp_avg, exp_avg_sq, step), skip_count in zip(tensors, skips)
+                 for value in (*_units(base, param, grad, exp_avg, exp_avg_sq), step.data_ptr(), param.numel(),
+                               skip_count))
+    return Tabulated(*_tables(rows, _COLUMNS, like.device), like, None, False, skip_counts is not None)
 
 
-def launch_adamw_rounded_(tensors: Sequence[tuple[Tensor | None, ...]], skipped: Tensor, *, lr: float | Tensor,
-                          betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """`launch_adamw_` for moments stored rounded at random, on (param, grad, exp_avg, exp_avg_sq, step,
-    rounding_count, exp_avg_scales, exp_avg_sq_scales) rows that `launchable_rounded` took, of one parameter dtype
-    and one stored form (bfloat16 moments, or 8-bit codes with their scales): each moment read into float32, stepped
-    with its parameter and stored back rounded with random bits salted by its rounding count and each entry's index,
-    as the CPU's `adamw_rounded_` does. The counts stay as they are: the caller moves them by the flags."""
+def tabulate_rounded(tensors: Sequence[tuple[Tensor | None, ...]],
+                     skip_counts: Sequence[Tensor] | None = None) -> Tabulated:
+    """`tabulate` for moments stored rounded at random, on (param, grad, exp_avg, exp_avg_sq, step, rounding_count,
+    exp_avg_scales, exp_avg_sq_scales) rows that `launchable_rounded` took, of one parameter dtype and one stored
+    form (bfloat16 moments, or 8-bit codes with their scales)."""
     like, moment_like, codes = tensors[0][0], tensors[0][2], tensors[0][6] is not None
     base, moment_base = like.data_ptr(), moment_like.data_ptr()
-    rows = tuple(value for param, grad, exp_avg, exp_avg_sq, step, count, exp_avg_scales, exp_avg_sq_scales in tensors
+    skips = _addresses(skip_counts, len(tensors))
+    rows = tuple(value for (param, grad, exp_avg, exp_avg_sq, step, count, *scales), skip_count in zip(tensors, skips)
                  for value in (*_units(base, param, grad), *_units(moment_base, exp_avg, exp_avg_sq), step.data_ptr(),
-                               param.numel(), count.data_ptr(), *(scales.data_ptr() if codes else 0
-                                                                  for scales in (exp_avg_scales, exp_avg_sq_scales))))
-    table, block_tensor, block_start = _tables(rows, _ROUNDED_COLUMNS, like.device)
-    _adamw_rounded_blocks_kernel[(block_tensor.numel(),)](
-        table, block_tensor, block_start, skipped, like, moment_like.view(torch.int8 if codes else torch.int16),
-        *_rule_arguments(lr, betas, eps, weight_decay, table), LR_ON_DEVICE=isinstance(lr, Tensor), CODES=codes,
-        COLUMNS=_ROUNDED_COLUMNS,
+                               param.numel(), count.data_ptr(), *(scale.data_ptr() if codes else 0 for scale in scales),
+                               skip_count))
+    return Tabulated(*_tables(rows, _ROUNDED_COLUMNS, like.device), like, moment_like, codes, skip_counts is not None)
+
+
+def _addresses(tensors: Sequence[Tensor] | None, count: int) -> list[int]:
+    """Each tensor's address, or 0 for each of `count` rows where there are none."""
+    return [tensor.data_ptr() for tensor in tensors] if tensors is not None else [0] * count
+
+
+def launch_nonfinite_(tabulated: Tabulated) -> Tensor:
+    """(N,) float32 flags on the device: 1.0 where a tabulated tensor's gradient holds a NaN or Inf, else 0.0; one
+    launch, no host sync."""
+    like = tabulated.like
+    flags = torch.zeros(tabulated.table.numel() // tabulated.columns, dtype=torch.float32, device=like.device)
+    _nonfinite_blocks_kernel[(tabulated.block_tensor.numel(),)](
+        tabulated.table, tabulated.block_tensor, tabulated.block_start, flags, like, COLUMNS=tabulated.columns,
+        ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(), BLOCK=BLOCK)
+    return flags
+
+
+def launch_adamw_(tabulated: Tabulated, skipped: Tensor, *, lr: float | Tensor, betas: tuple[float, float],
+                  eps: float, weight_decay: float) -> None:
+    """The update of every tabulated tensor whose flag in `skipped` is 0.0, its step count read as it was before this
+    step (`launch_counts_` moves it after). Moments stored rounded are each read into float32, stepped with their
+    parameter and stored back rounded with random bits salted by its count of rounded writes and each entry's index,
+    as the CPU's `adamw_rounded_` does."""
+    like, moment_like = tabulated.like, tabulated.moment_like
+    tables = (tabulated.table, tabulated.block_tensor, tabulated.block_start, skipped)
+    rule = _rule_arguments(lr, betas, eps, weight_decay, tabulated.table)
+    grid = (tabulated.block_tensor.numel(),)
+    if moment_like is None:
+        _adamw_blocks_kernel[grid](*tables, like, *rule, LR_ON_DEVICE=isinstance(lr, Tensor), COLUMNS=_COLUMNS,
+                                   ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(), BLOCK=BLOCK)
+        return
+    _adamw_rounded_blocks_kernel[grid](
+        *tables, like, moment_like.view(torch.int8 if tabulated.codes else torch.int16), *rule,
+        LR_ON_DEVICE=isinstance(lr, Tensor), CODES=tabulated.codes, COLUMNS=_ROUNDED_COLUMNS,
         ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(),
         MOMENT_ELEMENTS_PER_UNIT=ALIGNMENT // moment_like.element_size(), BLOCK=BLOCK, CODE_BLOCK=CODE_BLOCK,
     )
+
+
+def launch_counts_(tabulated: Tabulated, skipped: Tensor) -> None:
+    """After `launch_adamw_`: each tabulated tensor's step count moves by 1 - flag, its skip count (where tabulated)
+    by its flag, and a count of rounded writes by 1 - flag; one launch."""
+    _counts_kernel[(tabulated.table.numel() // tabulated.columns,)](
+        tabulated.table, skipped, COLUMNS=tabulated.columns, ROUNDED=tabulated.moment_like is not None,
+        SKIP_COUNTS=tabulated.skip_counts)
 
 
 def _rule_arguments(lr: float | Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
