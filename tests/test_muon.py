@@ -154,44 +154,28 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
-def test_a_counts_launch_that_fails_after_the_update_leaves_the_counts_to_torch_and_the_rest_to_fused_adamw(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("launcher", "error"), [
+    # As a Triton that cannot compile the kernel for this GPU raises, before anything is written.
+    ("launch_adamw_", "PTX assembly failed"),
+    # After the first group's update is written: its counts then move by torch's ops.
+    ("launch_counts_", "out of resources"),
+])
+def test_a_one_launch_kernel_that_fails_hands_adamw_to_torch_once_and_for_all(
+        launcher: str, error: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(functional, "_one_launch_failed", set())
     attempts = []
 
     def failing_launch(*args, **kwargs) -> None:
         attempts.append(1)
-        raise RuntimeError("out of resources")
+        raise RuntimeError(error)
 
-    monkeypatch.setattr(functional, "launch_counts_", failing_launch)
+    monkeypatch.setattr(functional, launcher, failing_launch)
     torch.manual_seed(0)
-    # Two launch groups (float32, bfloat16): the first is updated by its launch before its counts fail, the second
-    # goes to torch's fused kernel; three steps' bias corrections check every count.
+    # Two launch groups (float32, bfloat16); three steps' bias corrections check every step count.
     ours = [torch.randn(37), torch.randn(16).bfloat16(), torch.randn(5, 3)]
-    with pytest.warns(RuntimeWarning, match="one-launch AdamW kernel failed on cpu.*out of resources"):
+    with pytest.warns(RuntimeWarning, match=f"one-launch AdamW kernel failed on cpu.*{error}"):
         theirs = stepped_beside_fused_adamw(ours, steps=3)
-    assert attempts == [1]
-    for p, q in zip(ours, theirs):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
-def test_a_one_launch_kernel_that_fails_to_build_hands_adamw_to_torch_once_and_for_all(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
-    monkeypatch.setattr(functional, "_one_launch_failed", set())
-    attempts = []
-
-    def failing_build(*args, **kwargs) -> None:
-        attempts.append(1)
-        raise RuntimeError("PTX assembly failed")  # as a Triton that cannot compile the kernel for this GPU raises
-
-    monkeypatch.setattr(functional, "launch_adamw_", failing_build)
-    torch.manual_seed(0)
-    ours = [torch.randn(37), torch.randn(16).bfloat16(), torch.randn(5, 3)]
-    with pytest.warns(RuntimeWarning, match="one-launch AdamW kernel failed on cpu.*PTX assembly failed"):
-        theirs = stepped_beside_fused_adamw(ours, steps=2)
     assert attempts == [1]  # tried once; the failure is remembered
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
