@@ -1,0 +1,79 @@
+"""Compiles the AdamW part's Triton kernels to machine code for GPUs of given capabilities, with no GPU: run by
+tests/test_triton_compile.py in a process of its own, since the tests' TRITON_INTERPRET=1 makes `triton.jit` return
+interpreted functions, which do not compile. Prints one JSON object: each case's name, "ok" or the error.
+
+    TRITON_INTERPRET=0 python tests/triton_compile_check.py 75 90
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
+from optimizer.triton_kernels import adamw  # noqa: E402 (the source tree's package, after its path)
+
+TABLES = {"table": "*i64", "block_tensor": "*i64", "block_start": "*i64"}
+RULE = {name: "fp32" for name in ("lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay")}
+UNITS = {"*fp32": 4, "*bf16": 8, "*fp16": 8, "*i16": 8, "*i8": 16}  # elements per 16-byte unit
+
+
+def _plain(like: str, lr_on_device: bool) -> tuple:
+    signature = {**TABLES, "skipped": "*fp32", "like": like, "lr_on_device": "*fp32" if lr_on_device else "*i64",
+                 **RULE}
+    return adamw._adamw_blocks_kernel, signature, dict(LR_ON_DEVICE=lr_on_device, COLUMNS=adamw._COLUMNS,
+                                                       ELEMENTS_PER_UNIT=UNITS[like], BLOCK=adamw.BLOCK)
+
+
+def _rounded(like: str, codes: bool) -> tuple:
+    moment = "*i8" if codes else "*i16"
+    signature = {**TABLES, "skipped": "*fp32", "like": like, "moment_like": moment, "lr_on_device": "*i64", **RULE}
+    return adamw._adamw_rounded_blocks_kernel, signature, dict(
+        LR_ON_DEVICE=False, CODES=codes, COLUMNS=adamw._ROUNDED_COLUMNS, ELEMENTS_PER_UNIT=UNITS[like],
+        MOMENT_ELEMENTS_PER_UNIT=UNITS[moment], BLOCK=adamw.BLOCK, CODE_BLOCK=adamw.CODE_BLOCK)
+
+
+def _nonfinite(like: str) -> tuple:
+    signature = {**TABLES, "flags": "*fp32", "like": like}
+    return adamw._nonfinite_blocks_kernel, signature, dict(COLUMNS=adamw._COLUMNS, ELEMENTS_PER_UNIT=UNITS[like],
+                                                           BLOCK=adamw.BLOCK)
+
+
+def _counts(rounded: bool) -> tuple:
+    columns = adamw._ROUNDED_COLUMNS if rounded else adamw._COLUMNS
+    return adamw._counts_kernel, {"table": "*i64", "skipped": "*fp32"}, dict(COLUMNS=columns, ROUNDED=rounded,
+                                                                             SKIP_COUNTS=True)
+
+
+CASES = {
+    "update fp32": _plain("*fp32", False), "update bf16, lr on the device": _plain("*bf16", True),
+    "update fp16": _plain("*fp16", False), "rounded bf16 moments": _rounded("*fp32", False),
+    "rounded 8-bit codes, bf16 parameters": _rounded("*bf16", True), "flags bf16": _nonfinite("*bf16"),
+    "flags fp32": _nonfinite("*fp32"), "counts": _counts(False), "counts, rounded": _counts(True),
+}
+
+
+def compile_case(kernel, signature: dict, constants: dict, capability: int) -> str:
+    names = kernel.arg_names
+    source = ASTSource(fn=kernel, signature={**signature, **{name: "constexpr" for name in constants}},
+                       constexprs={(names.index(name),): value for name, value in constants.items()})
+    try:
+        triton.compile(source, target=GPUTarget("cuda", capability, 32))
+    except Exception as error:  # noqa: BLE001 (the report names it)
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def main() -> None:
+    results = {f"{name} sm_{capability}": compile_case(*case, capability)
+               for capability in map(int, sys.argv[1:]) for name, case in CASES.items()}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
