@@ -409,10 +409,32 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         notes += [f"{name}: optimizer state per parameter: {label} {state_bytes(opt) / numel:.2f} bytes"
                   for label, opt in {"torch.optim.Muon + AdamW": theirs, "optimizer.Muon (defaults)": [ours],
                                      **{f"optimizer.Muon, {key}": [opt] for key, opt in variants.items()}}.items()]
+        offloaded = variants.get("offload='cpu'")
+        if offloaded is not None:
+            notes.append(f"{name}: {_offload_floor(offloaded, device)}")
         rows += _adamw_part_rows(optimizer, device, f"{name}, its {len(vectors)} AdamW tensors alone", vectors,
                                  repeats)
     rows += _small_model_rows(optimizer, device, torch_dtype, repeats)
     return rows, notes
+
+
+def _offload_floor(offloaded: torch.optim.Optimizer, device: torch.device) -> str:
+    """The time an offloaded step cannot go below here: its state held in pinned host memory crosses the bus to the
+    GPU and back every step, at the rates pinned copies of 256 MiB reach on this machine."""
+    moved = sum(value.numel() * value.element_size() for state in offloaded.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu")
+    try:
+        host = torch.empty(2**28, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty_like(host, device=device)
+        to_device = median_ms(lambda: on_device.copy_(host, non_blocking=True), device, 0)
+        to_host = median_ms(lambda: host.copy_(on_device, non_blocking=True), device, 0)
+    except Exception as error:  # noqa: BLE001 - a note, not a failed section
+        return f"offload: the copy rates could not be measured ({type(error).__name__}: {error})"
+    copies = moved / host.numel()  # how many 256 MiB copies the state makes each way
+    return (f"offload moves {moved / 2**20:.0f} MiB of state each way per step; pinned copies of 256 MiB ran at "
+            f"{host.numel() / to_device / 1e6:.1f} GB/s to the GPU and {host.numel() / to_host / 1e6:.1f} GB/s back, "
+            f"so at least {copies * max(to_device, to_host):.2f} ms with both directions at once, "
+            f"{copies * (to_device + to_host):.2f} ms one after the other")
 
 
 def _running(steppers: dict[str, Callable[[], object]]) -> tuple[dict[str, Callable[[], object]], list[str]]:
