@@ -38,10 +38,15 @@ def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
 
 # --- against torch.optim.Muon and torch.optim.AdamW ---------------------------------------------------------
 
-@pytest.mark.parametrize("rounds", ["shared", "one per bucket", "buckets in chunks"])
+@pytest.mark.parametrize("rounds", ["shared", "one per bucket", "buckets in chunks", "written by one Triton launch"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_matches_torch_muon(nesterov: bool, rounds: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if rounds != "shared":  # as large buckets run: each alone, its Newton-Schulz buffers from the workspace
+    if rounds == "written by one Triton launch":  # as a GPU with Triton writes the updates
+        if not TRITON_INTERPRETED:
+            pytest.skip("CPU tensors in Triton kernels need the interpreter")
+        monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+        monkeypatch.setattr(functional, "_one_launch_failed", set())  # filled only by a kernel that fails
+    elif rounds != "shared":  # as large buckets run: each alone, its Newton-Schulz buffers from the workspace
         monkeypatch.setattr(functional, "_ROUND_NUMEL", 0)
     if rounds == "buckets in chunks":  # as a deep model's buckets run: the three (96, 64) in chunks of one and two
         monkeypatch.setattr(functional, "_BUCKET_NUMEL", {"cpu": 2 * 96 * 64})
@@ -70,6 +75,7 @@ def test_matches_torch_muon(nesterov: bool, rounds: str, monkeypatch: pytest.Mon
         for p, q in zip(ours, theirs):
             torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"],
                                        rtol=1e-6, atol=1e-6)
+    assert not functional._one_launch_failed
 
 
 @pytest.fixture(params=["one compiled call", "fused per dtype", "one Triton launch"])
@@ -174,7 +180,7 @@ def test_a_one_launch_kernel_that_fails_hands_adamw_to_torch_once_and_for_all(
     torch.manual_seed(0)
     # Two launch groups (float32, bfloat16); three steps' bias corrections check every step count.
     ours = [torch.randn(37), torch.randn(16).bfloat16(), torch.randn(5, 3)]
-    with pytest.warns(RuntimeWarning, match=f"one-launch AdamW kernel failed on cpu.*{error}"):
+    with pytest.warns(RuntimeWarning, match=f"one-launch Triton kernel of the step failed on cpu.*{error}"):
         theirs = stepped_beside_fused_adamw(ours, steps=3)
     assert attempts == [1]  # tried once; the failure is remembered
     for p, q in zip(ours, theirs):

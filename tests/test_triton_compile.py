@@ -1,4 +1,4 @@
-"""The AdamW part's Triton kernels compile to machine code (PTX, then ptxas's cubin) for the GPUs users run: a T4
+"""The AdamW part's and the Muon update's Triton kernels compile to machine code (PTX, then ptxas's cubin) for the GPUs users run: a T4
 (sm_75, the free Colab and Kaggle GPU), an A100 (sm_80) and an H100 (sm_90), on a machine without a GPU, where the
 other tests run them only under the Triton interpreter, which compiles nothing."""
 
@@ -29,6 +29,6 @@ def compiled() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
-def test_adamw_kernels_compile_for_each_gpu_generation(compiled: dict[str, str], capability: int) -> None:
+def test_step_kernels_compile_for_each_gpu_generation(compiled: dict[str, str], capability: int) -> None:
     cases = {name: outcome for name, outcome in compiled.items() if name.endswith(f" sm_{capability}")}
     assert cases and all(outcome == "ok" for outcome in cases.values()), cases

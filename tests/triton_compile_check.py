@@ -1,4 +1,4 @@
-"""Compiles the AdamW part's Triton kernels to machine code for GPUs of given capabilities, with no GPU: run by
+"""Compiles the AdamW part's and the Muon update's Triton kernels to machine code for GPUs of given capabilities, with no GPU: run by
 tests/test_triton_compile.py in a process of its own, since the tests' TRITON_INTERPRET=1 makes `triton.jit` return
 interpreted functions, which do not compile. Prints one JSON object: each case's name, "ok" or the error.
 
@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from optimizer.triton_kernels import adamw  # noqa: E402 (the source tree's package, after its path)
+from optimizer.triton_kernels import adamw, apply_update  # noqa: E402 (the source tree's package, after its path)
 
 TABLES = {"table": "*i64", "block_tensor": "*i64", "block_start": "*i64"}
 RULE = {name: "fp32" for name in ("lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay")}
@@ -50,11 +50,22 @@ def _counts(rounded: bool) -> tuple:
                                                                              SKIP_COUNTS=True)
 
 
+def _apply(param: str, update: str, transposed: bool, decay: bool) -> tuple:
+    signature = {"table": "*i64", "tile_matrix": "*i64", "tile_index": "*i64", "decay": param if decay else "*fp32",
+                 "step_sizes": "*fp32", "param_like": param, "update_like": update}
+    return apply_update._apply_tiles_kernel, signature, dict(
+        COLUMNS=apply_update._COLUMNS, TRANSPOSED=transposed, DECAY=decay, PARAM_ELEMENTS_PER_UNIT=UNITS[param],
+        UPDATE_ELEMENTS_PER_UNIT=UNITS[update], TILE=apply_update.TILE)
+
+
 CASES = {
     "update fp32": _plain("*fp32", False), "update bf16, lr on the device": _plain("*bf16", True),
     "update fp16": _plain("*fp16", False), "rounded bf16 moments": _rounded("*fp32", False),
     "rounded 8-bit codes, bf16 parameters": _rounded("*bf16", True), "flags bf16": _nonfinite("*bf16"),
     "flags fp32": _nonfinite("*fp32"), "counts": _counts(False), "counts, rounded": _counts(True),
+    "Muon update, fp32 parameters, bf16 updates": _apply("*fp32", "*bf16", False, True),
+    "Muon update, transposed, no decay": _apply("*fp32", "*bf16", True, False),
+    "Muon update, bf16 parameters, transposed": _apply("*bf16", "*bf16", True, True),
 }
 
 

@@ -23,8 +23,9 @@ from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
-from .triton_kernels import (TRITON_AVAILABLE, launch_adamw_, launch_counts_, launch_nonfinite_, launchable,
-                             launchable_rounded, tabulate, tabulate_rounded)
+from .triton_kernels import (TRITON_AVAILABLE, apply_takes, launch_adamw_, launch_apply_, launch_counts_,
+                             launch_nonfinite_, launchable, launchable_rounded, tabulate, tabulate_rounded)
+from .triton_kernels._launch import device_values
 from .workspace import Workspace
 
 T = TypeVar("T")
@@ -281,7 +282,38 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
             rms_scale = rms_rule_scale(totals[index], item.view, orthogonalizer.eps) if rms_rule else None
             step_sizes.append(-update_step_size(lr, adjust_lr_fn, item.view, normalize_spatial, rms_scale))
         decay = decay_factors(skipped, lr, weight_decay, params[0].dtype) if weight_decay != 0 else None
+        _apply_update_(params, updates, decay, step_sizes)
+
+
+def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None,
+                   step_sizes: Sequence[float | Tensor]) -> None:
+    """`native.apply_update_`, but on GPUs with Triton (outside torch.compile, which traces torch's ops; and numbers
+    for step sizes) the matrices `apply_takes` takes go in one launch per parameter dtype, update dtype and
+    orientation (two kernels per parameter through torch's ops cost GPT-2 small's 48 matrices ~100 operator calls a
+    step)."""
+    device = params[0].device
+    if (not one_launch_serves(device.type) or torch.compiler.is_compiling()
+            or any(isinstance(size, Tensor) for size in step_sizes)):
         native.apply_update_(params, updates, decay, step_sizes)
+        return
+    groups: dict[tuple[torch.dtype, torch.dtype, bool], list[int]] = {}
+    rest = []
+    for index, (param, update) in enumerate(zip(params, updates)):
+        if apply_takes(param, update):
+            groups.setdefault((param.dtype, update.dtype, update.is_contiguous()), []).append(index)
+        else:
+            rest.append(index)
+    pending = list(groups.values())
+    for done, indices in enumerate(pending):
+        try:
+            launch_apply_(params, updates, decay, device_values(tuple(step_sizes), torch.float32, device), indices)
+        except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
+            _one_launch_fails(error, device)
+            rest += [index for group in pending[done:] for index in group]
+            break
+    if rest:
+        native.apply_update_([params[i] for i in rest], [updates[i] for i in rest],
+                             None if decay is None else decay[rest], [step_sizes[i] for i in rest])
 
 
 @dataclass
@@ -344,9 +376,9 @@ def _count_steps_(items: Sequence[AdamWTensors], skipped: Tensor) -> None:
 
 
 def one_launch_serves(device_type: str) -> bool:
-    """Whether the AdamW part goes through the one-launch Triton kernel on this device type now: not while a CUDA
-    graph is being captured, whose replays would copy the kernel's tables again from a host buffer freed long before
-    (torch's fused kernel, one call per parameter, captures cleanly)."""
+    """Whether the one-launch Triton kernels (the AdamW part, the Muon update) serve this device type now: not after
+    one failed there, nor while a CUDA graph is being captured, whose replays would copy the kernels' tables again
+    from a host buffer freed long before (torch's kernels, one call per parameter, capture cleanly)."""
     if not TRITON_AVAILABLE or device_type not in ONE_LAUNCH_DEVICE_TYPES or device_type in _one_launch_failed:
         return False
     return device_type != "cuda" or not torch.cuda.is_current_stream_capturing()
@@ -403,10 +435,12 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
 
 
 def _one_launch_fails(error: Exception, device: torch.device) -> None:
-    """Says once that the Triton kernels failed on this device type, whose AdamW part takes torch's from now on."""
+    """Says once that a Triton kernel of the step failed on this device type, whose AdamW part and Muon update take
+    torch's kernels from now on."""
     _one_launch_failed.add(device.type)
-    warnings.warn(f"the one-launch AdamW kernel failed on {device} ({error!r}); AdamW-routed parameters go through "
-                  "torch's fused AdamW kernel, one call per parameter, from now on", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"a one-launch Triton kernel of the step failed on {device} ({error!r}); the AdamW part (torch's "
+                  "fused AdamW kernel, one call per parameter) and the Muon update go through torch's kernels from now "
+                  "on", RuntimeWarning, stacklevel=3)
 
 
 def _fits_one_launch(item: AdamWTensors) -> bool:

@@ -1,7 +1,9 @@
-"""Host-side rules shared by the symmetric kernels' launchers: configs, input checks, output allocation, grid."""
+"""Host-side rules shared by the kernels' launchers: the symmetric kernels' configs, input checks, output allocation
+and grid; the dtypes the kernels take; tables sent to the device."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -199,3 +201,11 @@ def lower_tile_grid(m: int, batch: int) -> Callable[[dict], tuple[int, int]]:
         return lower_tile_count(m, meta["BLOCK_M"], meta["BLOCK_N"]), batch
 
     return grid
+
+
+@functools.lru_cache(maxsize=32)  # the tables of the last steps, should gradients come back at a few addresses
+def device_values(values: tuple[int | float, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """`values` as a tensor on the device, sent in one copy from pinned memory, so without waiting for the device,
+    and kept for the next steps that ask for the same values (a launch's address table, while the addresses stay)."""
+    table = torch.tensor(values, dtype=dtype)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table

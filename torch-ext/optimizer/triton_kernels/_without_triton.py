@@ -45,6 +45,15 @@ def launch_counts_(tabulated: object, skipped: Tensor) -> None:
     raise RuntimeError(_MISSING.format(name="launch_counts_"))
 
 
+def apply_takes(param: Tensor, update: Tensor) -> bool:
+    raise RuntimeError(_MISSING.format(name="apply_takes"))
+
+
+def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None, step_sizes: Tensor,
+                  indices: Sequence[int]) -> None:
+    raise RuntimeError(_MISSING.format(name="launch_apply_"))
+
+
 def launchable(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor) -> bool:
     raise RuntimeError(_MISSING.format(name="launchable"))
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import INTERPRETER, SUPPORTED_DTYPES
+from ._launch import INTERPRETER, SUPPORTED_DTYPES, device_values
 from .rounding import bfloat16_rounded, bfloat16_value, e4m3_block_codes, e4m3_value, random_bits
 
 # Elements per program: enough that a program's scalar work (its tensor's row, the bias corrections) is small beside
@@ -423,14 +423,7 @@ def _tables(rows: tuple[int, ...], columns: int, device: torch.device) -> tuple[
     """The address table (`rows`, `columns` values per tensor), then each program's tensor and first element, which
     depend only on the tensors' sizes. Each is kept on the device for the next steps: the addresses of parameters and
     moments stay, and a gradient's usually do too, as the caching allocator hands the same blocks out again."""
-    return _address_table(rows, device), *_block_tables(rows[_NUMEL::columns], device)
-
-
-@functools.lru_cache(maxsize=16)  # the tables of the last steps, should gradients come back at a few addresses
-def _address_table(rows: tuple[int, ...], device: torch.device) -> Tensor:
-    """The address table on the device, sent in one copy from pinned memory, so without waiting for the device."""
-    table = torch.tensor(rows, dtype=torch.int64)
-    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    return device_values(rows, torch.int64, device), *_block_tables(rows[_NUMEL::columns], device)
 
 
 @functools.lru_cache(maxsize=16)  # a few AdamW parameter lists (one per dtype) per optimizer, a few optimizers

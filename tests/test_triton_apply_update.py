@@ -1,0 +1,128 @@
+"""The Muon update's one Triton launch (`functional._apply_update_` on GPUs), under the Triton interpreter on the CPU
+(on a GPU where one runs the tests): against torch's `_foreach_mul_` then `add_`, which the other way computes,
+for straight and transposed updates, tile edges, every dtype pair, with and without decay; the matrices it cannot
+take go the other way; a kernel that fails leaves the update to torch's ops."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from kernel_under_test import optimizer
+from triton_under_test import DEVICE, INTERPRETER
+
+functional = sys.modules[f"{optimizer.__name__}.functional"]
+pytestmark = pytest.mark.skipif(not functional.TRITON_AVAILABLE or not (INTERPRETER or torch.cuda.is_available()),
+                                reason="needs Triton and either its interpreter or a GPU")
+
+# Around the 64-entry tile: one entry, a tile's edges, several tiles; tall ones take transposed updates, as a tall
+# matrix's Newton-Schulz result is the transpose of a wide one.
+SHAPES = [(1, 1), (63, 65), (64, 64), (70, 130), (130, 70), (3, 200)]
+STEP_SIZES = [-0.01, -0.02, -0.005, -0.03, -0.015, -0.025]
+
+
+def _tensors(param_dtype: torch.dtype, update_dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=generator).to(param_dtype).to(DEVICE) for shape in SHAPES]
+    updates = [(torch.randn(shape, generator=generator) if shape[0] <= shape[1]
+                else torch.randn(shape[::-1], generator=generator).t()).to(update_dtype).to(DEVICE)
+               for shape in SHAPES]
+    return params, updates
+
+
+def _torch_ops(params: list[torch.Tensor], updates: list[torch.Tensor], decay: torch.Tensor | None) -> None:
+    if decay is not None:
+        torch._foreach_mul_(params, list(decay.unbind()))
+    for param, update, step in zip(params, updates, STEP_SIZES):
+        param.add_(update, alpha=step)
+
+
+def _launched(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Serve this device with the one-launch kernels; returns the indices each launch took, as they come."""
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", (torch.device(DEVICE).type,))
+    monkeypatch.setattr(functional, "_one_launch_failed", set())
+    launches: list[list[int]] = []
+    launch = functional.launch_apply_
+    monkeypatch.setattr(functional, "launch_apply_",
+                        lambda *args: (launches.append(list(args[4])), launch(*args))[1])
+    return launches
+
+
+@pytest.mark.parametrize("decayed", [True, False], ids=["decay", "no decay"])
+@pytest.mark.parametrize(("param_dtype", "update_dtype"), [(torch.float32, torch.bfloat16),
+                                                           (torch.float32, torch.float32),
+                                                           (torch.bfloat16, torch.bfloat16),
+                                                           (torch.float16, torch.float16)], ids=str)
+def test_one_launch_writes_what_torch_ops_write(param_dtype: torch.dtype, update_dtype: torch.dtype, decayed: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    ours, updates = _tensors(param_dtype, update_dtype)
+    theirs = [param.clone() for param in ours]
+    decay = torch.tensor([0.99, 1.0, 0.98, 0.97, 0.995, 0.9]).to(param_dtype).to(DEVICE) if decayed else None
+    launches = _launched(monkeypatch)
+    functional._apply_update_(ours, updates, decay, STEP_SIZES)
+    _torch_ops(theirs, updates, decay)
+    # One launch for the straight updates, one for the transposed.
+    assert launches == [[0, 1, 2, 3, 5], [4]]
+    starts = _tensors(param_dtype, update_dtype)[0]
+    for param, before, update, step, expected in zip(ours, starts, updates, STEP_SIZES, theirs):
+        # The same float32 arithmetic, each stored value rounded once (the decayed parameter, then the sum); the
+        # multiply-add may fuse on one side, and the interpreter truncates 16-bit stores where torch rounds: an ulp
+        # of each rounded operand at most.
+        bound = 2 * torch.finfo(param_dtype).eps * (before.float().abs() + abs(step) * update.float().abs())
+        assert ((param.float() - expected.float()).abs() <= bound).all()
+    assert all(not torch.equal(param, before) for param, before in zip(ours[1:], starts[1:]))
+
+
+def test_a_zero_update_with_no_decay_leaves_the_parameter_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A skipped parameter's update is exactly zero and its decay exactly one: its step writes back what it read."""
+    params, updates = _tensors(torch.bfloat16, torch.bfloat16)
+    before = [param.clone() for param in params]
+    _launched(monkeypatch)
+    functional._apply_update_(params, [update.zero_() for update in updates],
+                              torch.ones(len(params), dtype=torch.bfloat16, device=DEVICE), STEP_SIZES)
+    assert all(torch.equal(param, then) for param, then in zip(params, before))
+
+
+def test_matrices_the_kernel_cannot_take_go_through_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = torch.Generator().manual_seed(1)
+    wide = torch.randn(8, 33, generator=generator).to(DEVICE)
+    # A conv weight (4D), a float64 matrix, an update starting 4 bytes into its storage, and one matrix it takes.
+    ours = [torch.randn(4, 3, 2, 2, generator=generator).to(DEVICE),
+            torch.randn(5, 7, generator=generator, dtype=torch.float64).to(DEVICE),
+            torch.randn(8, 32, generator=generator).to(DEVICE), torch.randn(6, 9, generator=generator).to(DEVICE)]
+    updates = [torch.randn(4, 3, 2, 2, generator=generator).to(DEVICE),
+               torch.randn(5, 7, generator=generator, dtype=torch.float64).to(DEVICE), wide[:, 1:],
+               torch.randn(6, 9, generator=generator).to(DEVICE)]
+    theirs = [param.clone() for param in ours]
+    launches = _launched(monkeypatch)
+    steps = STEP_SIZES[:4]
+    functional._apply_update_(ours, updates, None, steps)
+    for param, update, step in zip(theirs, updates, steps):
+        param.add_(update, alpha=step)
+    assert launches == [[3]]
+    for param, expected in zip(ours, theirs):
+        torch.testing.assert_close(param, expected, rtol=2e-7, atol=1e-7)
+
+
+def test_a_kernel_that_fails_leaves_the_update_to_torch_ops_once_and_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    ours, updates = _tensors(torch.float32, torch.bfloat16)
+    theirs = [param.clone() for param in ours]
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", (torch.device(DEVICE).type,))
+    monkeypatch.setattr(functional, "_one_launch_failed", set())
+    attempts = []
+
+    def failing_build(*args) -> None:
+        attempts.append(1)
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(functional, "launch_apply_", failing_build)
+    with pytest.warns(RuntimeWarning, match="one-launch Triton kernel of the step failed.*PTX assembly failed"):
+        functional._apply_update_(ours, updates, None, STEP_SIZES)
+    functional._apply_update_(ours, updates, None, STEP_SIZES)  # no second attempt, no second warning
+    for _ in range(2):
+        _torch_ops(theirs, updates, None)
+    assert attempts == [1]
+    for param, expected in zip(ours, theirs):
+        torch.testing.assert_close(param, expected, rtol=0, atol=0)
