@@ -17,9 +17,9 @@ functional = sys.modules[f"{optimizer.__name__}.functional"]
 pytestmark = pytest.mark.skipif(not functional.TRITON_AVAILABLE or not (INTERPRETER or torch.cuda.is_available()),
                                 reason="needs Triton and either its interpreter or a GPU")
 
-# Around the 64-entry tile: one entry, a tile's edges, several tiles; tall ones take transposed updates, as a tall
-# matrix's Newton-Schulz result is the transpose of a wide one.
-SHAPES = [(1, 1), (63, 65), (64, 64), (70, 130), (130, 70), (3, 200)]
+# Around the 64-entry tile, in sides of multiples of 8 (what the kernel takes): the smallest, a tile's edges, several
+# tiles; tall ones take transposed updates, as a tall matrix's Newton-Schulz result is the transpose of a wide one.
+SHAPES = [(8, 8), (56, 72), (64, 64), (72, 136), (136, 72), (8, 200)]
 STEP_SIZES = [-0.01, -0.02, -0.005, -0.03, -0.015, -0.025]
 
 
@@ -72,7 +72,7 @@ def test_one_launch_writes_what_torch_ops_write(param_dtype: torch.dtype, update
         # of each rounded operand at most.
         bound = 2 * torch.finfo(param_dtype).eps * (before.float().abs() + abs(step) * update.float().abs())
         assert ((param.float() - expected.float()).abs() <= bound).all()
-    assert all(not torch.equal(param, before) for param, before in zip(ours[1:], starts[1:]))
+    assert all(not torch.equal(param, before) for param, before in zip(ours, starts))
 
 
 def test_a_zero_update_with_no_decay_leaves_the_parameter_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,20 +88,22 @@ def test_a_zero_update_with_no_decay_leaves_the_parameter_bit_for_bit(monkeypatc
 def test_matrices_the_kernel_cannot_take_go_through_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     generator = torch.Generator().manual_seed(1)
     wide = torch.randn(8, 33, generator=generator).to(DEVICE)
-    # A conv weight (4D), a float64 matrix, an update starting 4 bytes into its storage, and one matrix it takes.
+    # A conv weight (4D), a float64 matrix, an update starting 4 bytes into its storage, a side not a multiple of 8,
+    # and one matrix it takes.
     ours = [torch.randn(4, 3, 2, 2, generator=generator).to(DEVICE),
             torch.randn(5, 7, generator=generator, dtype=torch.float64).to(DEVICE),
-            torch.randn(8, 32, generator=generator).to(DEVICE), torch.randn(6, 9, generator=generator).to(DEVICE)]
+            torch.randn(8, 32, generator=generator).to(DEVICE), torch.randn(6, 16, generator=generator).to(DEVICE),
+            torch.randn(16, 24, generator=generator).to(DEVICE)]
     updates = [torch.randn(4, 3, 2, 2, generator=generator).to(DEVICE),
                torch.randn(5, 7, generator=generator, dtype=torch.float64).to(DEVICE), wide[:, 1:],
-               torch.randn(6, 9, generator=generator).to(DEVICE)]
+               torch.randn(6, 16, generator=generator).to(DEVICE), torch.randn(16, 24, generator=generator).to(DEVICE)]
     theirs = [param.clone() for param in ours]
     launches = _launched(monkeypatch)
-    steps = STEP_SIZES[:4]
+    steps = STEP_SIZES[:5]
     functional._apply_update_(ours, updates, None, steps)
     for param, update, step in zip(theirs, updates, steps):
         param.add_(update, alpha=step)
-    assert launches == [[3]]
+    assert launches == [[4]]
     for param, expected in zip(ours, theirs):
         torch.testing.assert_close(param, expected, rtol=2e-7, atol=1e-7)
 

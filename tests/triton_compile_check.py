@@ -55,7 +55,7 @@ def _apply(param: str, update: str, transposed: bool, decay: bool) -> tuple:
                  "step_sizes": "*fp32", "param_like": param, "update_like": update}
     return apply_update._apply_tiles_kernel, signature, dict(
         COLUMNS=apply_update._COLUMNS, TRANSPOSED=transposed, DECAY=decay, PARAM_ELEMENTS_PER_UNIT=UNITS[param],
-        UPDATE_ELEMENTS_PER_UNIT=UNITS[update], TILE=apply_update.TILE)
+        UPDATE_ELEMENTS_PER_UNIT=UNITS[update], SIDE_MULTIPLE=apply_update.SIDE_MULTIPLE, TILE=apply_update.TILE)
 
 
 CASES = {
@@ -71,8 +71,11 @@ CASES = {
 
 def compile_case(kernel, signature: dict, constants: dict, capability: int) -> str:
     names = kernel.arg_names
+    # As the launches specialize them: every pointer argument starts on a 16-byte boundary.
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+               if kind.startswith("*")}
     source = ASTSource(fn=kernel, signature={**signature, **{name: "constexpr" for name in constants}},
-                       constexprs={(names.index(name),): value for name, value in constants.items()})
+                       constexprs={(names.index(name),): value for name, value in constants.items()}, attrs=aligned)
     try:
         triton.compile(source, target=GPUTarget("cuda", capability, 32))
     except Exception as error:  # noqa: BLE001 (the report names it)

@@ -23,6 +23,9 @@ from .adamw import ALIGNMENT
 
 # A tile's side: 64 x 64 entries, 16 KiB of float32 parameter, the update's transpose done in the tile.
 TILE = 64
+# Both sides of a matrix the kernel takes are multiples of this (transformers' are): told so, the compiler knows each
+# row of 16-bit or wider entries starts on a 16-byte boundary and moves 16 bytes per access.
+SIDE_MULTIPLE = 8
 # A row of the address table per matrix: where its parameter and its update start (in 16-byte units from the first
 # of each), its rows and columns, and its index in the decay and step-size vectors.
 _COLUMNS = 5
@@ -32,7 +35,7 @@ _COLUMNS = 5
 def _apply_tiles_kernel(table, tile_matrix, tile_index, decay, step_sizes, param_like, update_like,
                         COLUMNS: tl.constexpr, TRANSPOSED: tl.constexpr, DECAY: tl.constexpr,
                         PARAM_ELEMENTS_PER_UNIT: tl.constexpr, UPDATE_ELEMENTS_PER_UNIT: tl.constexpr,
-                        TILE: tl.constexpr):
+                        SIDE_MULTIPLE: tl.constexpr, TILE: tl.constexpr):
     """param <- round(param * decay) + step_size * update on one tile of one matrix, in float32, each stored value
     rounded once to the parameter's dtype as torch's `mul_` and `add_` round them. With TRANSPOSED the update is the
     transpose of a contiguous (cols, rows) matrix, read along its own rows and turned in the tile."""
@@ -41,11 +44,13 @@ def _apply_tiles_kernel(table, tile_matrix, tile_index, decay, step_sizes, param
     row = table + matrix * COLUMNS
     param = param_like + tl.load(row) * PARAM_ELEMENTS_PER_UNIT
     update = update_like + tl.load(row + 1) * UPDATE_ELEMENTS_PER_UNIT
-    rows, cols, index = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    rows = tl.multiple_of(tl.load(row + 2), SIDE_MULTIPLE)
+    cols = tl.multiple_of(tl.load(row + 3), SIDE_MULTIPLE)
+    index = tl.load(row + 4)
     position = tl.load(tile_index + tile)
     tiles_across = tl.cdiv(cols, TILE)
-    r = (position // tiles_across) * TILE + tl.arange(0, TILE)
-    c = (position % tiles_across) * TILE + tl.arange(0, TILE)
+    r = tl.max_contiguous(tl.multiple_of((position // tiles_across) * TILE + tl.arange(0, TILE), TILE), TILE)
+    c = tl.max_contiguous(tl.multiple_of((position % tiles_across) * TILE + tl.arange(0, TILE), TILE), TILE)
     mask = (r[:, None] < rows) & (c[None, :] < cols)
     if TRANSPOSED:
         turned = tl.load(update + c[:, None] * rows + r[None, :], mask=(c[:, None] < cols) & (r[None, :] < rows))
@@ -61,9 +66,11 @@ def _apply_tiles_kernel(table, tile_matrix, tile_index, decay, step_sizes, param
 
 
 def apply_takes(param: Tensor, update: Tensor) -> bool:
-    """Whether the kernel writes this parameter's update: a contiguous matrix of a dtype it supports, and an update
-    of its shape that is contiguous or the transpose of a contiguous matrix, both from 16-byte boundaries."""
+    """Whether the kernel writes this parameter's update: a contiguous matrix of a dtype it supports, both sides
+    multiples of SIDE_MULTIPLE, and an update of its shape that is contiguous or the transpose of a contiguous matrix,
+    both from 16-byte boundaries."""
     return (param.dtype in SUPPORTED_DTYPES and update.dtype in SUPPORTED_DTYPES and param.dim() == 2
+            and param.shape[0] % SIDE_MULTIPLE == 0 and param.shape[1] % SIDE_MULTIPLE == 0
             and update.shape == param.shape and param.is_contiguous()
             and (update.is_contiguous() or update.t().is_contiguous())
             and param.data_ptr() % ALIGNMENT == 0 and update.data_ptr() % ALIGNMENT == 0)
@@ -85,7 +92,7 @@ def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
         table, tile_matrix, tile_index, decay if decay is not None else step_sizes, step_sizes, param_like,
         update_like, COLUMNS=_COLUMNS, TRANSPOSED=not update_like.is_contiguous(), DECAY=decay is not None,
         PARAM_ELEMENTS_PER_UNIT=ALIGNMENT // param_like.element_size(),
-        UPDATE_ELEMENTS_PER_UNIT=ALIGNMENT // update_like.element_size(), TILE=TILE)
+        UPDATE_ELEMENTS_PER_UNIT=ALIGNMENT // update_like.element_size(), SIDE_MULTIPLE=SIDE_MULTIPLE, TILE=TILE)
 
 
 @functools.lru_cache(maxsize=32)  # a few rounds of buckets per step, each in one or two orientations
