@@ -394,10 +394,15 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         if device.type == "cuda":  # on a CPU offload moves nothing, and the 16-bit Gram iteration runs slower
             variants["offload='cpu'"] = optimizer.Muon(groups, lr=0.02, offload="cpu")
             variants["ns_algorithm='gram' (float16 on the GPU)"] = optimizer.Muon(groups, lr=0.02, ns_algorithm="gram")
+        torch_kernels = {}
+        if device.type == "cuda":  # what the one-launch Triton kernels (AdamW part, Muon update) save, side by side
+            torch_kernels = {"optimizer.Muon, torch's kernels where one-launch Triton ones serve":
+                             _without_one_launch(optimizer, optimizer.Muon(groups, lr=0.02).step)}
         # The compiled step compiles twice: before and after the step that creates the optimizer state.
         steppers, failures = _running({"optimizer.Muon (defaults)": ours.step,
                                        "torch.compile(optimizer.Muon.step)": torch.compile(ours.step),
-                                       **{f"optimizer.Muon, {label}": opt.step for label, opt in variants.items()}})
+                                       **{f"optimizer.Muon, {label}": opt.step for label, opt in variants.items()},
+                                       **torch_kernels})
         notes += [f"{name}: {failure}" for failure in failures]
         baseline, *ours_ms = paired_medians_ms([torch_stepping(theirs, torch_dtype), *steppers.values()], device,
                                                repeats)
@@ -416,6 +421,20 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
                                  repeats)
     rows += _small_model_rows(optimizer, device, torch_dtype, repeats)
     return rows, notes
+
+
+def _without_one_launch(optimizer, step: Callable[[], object]) -> Callable[[], None]:
+    """The step with the one-launch Triton kernels kept out while it runs, as on a device they do not serve."""
+    functional = importlib.import_module(f"{optimizer.__name__}.functional")
+
+    def run() -> None:
+        served = functional.ONE_LAUNCH_DEVICE_TYPES
+        functional.ONE_LAUNCH_DEVICE_TYPES = ()
+        try:
+            step()
+        finally:
+            functional.ONE_LAUNCH_DEVICE_TYPES = served
+    return run
 
 
 def _offload_floor(offloaded: torch.optim.Optimizer, device: torch.device) -> str:
