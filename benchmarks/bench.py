@@ -371,7 +371,8 @@ def _step_params(device: torch.device, matrix_shapes: list[tuple[int, int]], vec
 
 def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> tuple[list[Row], list[str]]:
     """One optimizer step, ours (defaults; NorMuon, AdaMuon, bfloat16 and int8 state, AOL with a step fewer; on GPUs
-    also offload and the Gram iteration, which runs there in float16) vs torch.optim.Muon (its Newton-Schulz in
+    also offload, alone and with int8 state, the Gram iteration, which runs there in float16, and torch's kernels in
+    place of the one-launch Triton ones) vs torch.optim.Muon (its Newton-Schulz in
     `torch_dtype`) + fused AdamW, on GPT-2 small's hidden matrices with its vectors and token embedding going to AdamW
     (as muon_param_groups sends them) and, on GPUs, on one Llama-3-8B layer; then the AdamW-routed parameters alone
     against fused AdamW, and a small model's step. The notes give each optimizer's state bytes per parameter."""
@@ -393,6 +394,9 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
                                                                        ns_steps=4)}
         if device.type == "cuda":  # on a CPU offload moves nothing, and the 16-bit Gram iteration runs slower
             variants["offload='cpu'"] = optimizer.Muon(groups, lr=0.02, offload="cpu")
+            # A quarter of the bytes to move: what offload's floor (the host link, see _offload_floor) leaves room for.
+            variants["offload='cpu', state_dtype='int8'"] = optimizer.Muon(groups, lr=0.02, offload="cpu",
+                                                                           state_dtype="int8")
             variants["ns_algorithm='gram' (float16 on the GPU)"] = optimizer.Muon(groups, lr=0.02, ns_algorithm="gram")
         torch_kernels = {}
         if device.type == "cuda":  # what the one-launch Triton kernels (AdamW part, Muon update) save, side by side
@@ -414,9 +418,8 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         notes += [f"{name}: optimizer state per parameter: {label} {state_bytes(opt) / numel:.2f} bytes"
                   for label, opt in {"torch.optim.Muon + AdamW": theirs, "optimizer.Muon (defaults)": [ours],
                                      **{f"optimizer.Muon, {key}": [opt] for key, opt in variants.items()}}.items()]
-        offloaded = variants.get("offload='cpu'")
-        if offloaded is not None:
-            notes.append(f"{name}: {_offload_floor(offloaded, device)}")
+        notes += [f"{name}, {label}: {_offload_floor(opt, device)}" for label, opt in variants.items()
+                  if label.startswith("offload=")]
         rows += _adamw_part_rows(optimizer, device, f"{name}, its {len(vectors)} AdamW tensors alone", vectors,
                                  repeats)
     rows += _small_model_rows(optimizer, device, torch_dtype, repeats)
