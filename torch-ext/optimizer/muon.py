@@ -231,6 +231,7 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
 # Per-element state has the parameter's shape; counters are scalars. Anything else would make the fused kernels read
 # and write outside the parameter's memory, so a checkpoint that disagrees is refused before it is loaded.
 _SCALE_STATE_KEYS = tuple(scale_key(key) for key in MOMENT_KEYS)
+_MOMENTUM_SCALES, _EXP_AVG_SCALES, _EXP_AVG_SQ_SCALES = _SCALE_STATE_KEYS  # in MOMENT_KEYS' order
 _MOMENT_STATE_KEYS = (*MOMENT_KEYS, *_SCALE_STATE_KEYS)
 _ADAMW_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # created together, so saved together
 
@@ -586,24 +587,24 @@ class Muon(Optimizer):
         """The group's parameters with gradients, with their state (made ready by `_init_group`)."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
+        rounds = rounds_stochastically(group["state_dtype"])
         for param in group["params"]:
             if param.grad is None:
                 continue
             uses_muon = self._uses_muon(group, param)
             state = self.state[param]
-            rounding_count = state.get("rounding_count") if rounds_stochastically(group["state_dtype"]) else None
+            rounding_count = state.get("rounding_count") if rounds else None
             if uses_muon:
                 item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"],
                                    matrix_view(param.shape, group["param_layout"], group["conv_mode"]),
-                                   rounding_count=rounding_count,
-                                   momentum_scales=state.get(scale_key("momentum_buffer")))
+                                   rounding_count=rounding_count, momentum_scales=state.get(_MOMENTUM_SCALES))
                 if group["normalization"] is not None:
                     item.second_moment, item.update_step = state["update_sq"], state["update_step"]
                 muon_items.append(item)
             else:
                 adamw_items.append(AdamWTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"],
                                                 state["step"], state["nonfinite_skips"], rounding_count,
-                                                state.get(scale_key("exp_avg")), state.get(scale_key("exp_avg_sq"))))
+                                                state.get(_EXP_AVG_SCALES), state.get(_EXP_AVG_SQ_SCALES)))
         return muon_items, adamw_items
 
     def _prepared_state(self, group: dict[str, Any], param: Tensor, uses_muon: bool) -> dict[str, Any]:
