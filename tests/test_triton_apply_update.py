@@ -128,3 +128,16 @@ def test_a_kernel_that_fails_leaves_the_update_to_torch_ops_once_and_for_all(mon
     assert attempts == [1]
     for param, expected in zip(ours, theirs):
         torch.testing.assert_close(param, expected, rtol=0, atol=0)
+
+
+def test_a_compiled_step_traces_torch_ops_in_place_of_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile traces the update as torch's ops (a launch reads addresses the tracer does not have), in one
+    graph, and writes what they write."""
+    ours, updates = _tensors(torch.float32, torch.bfloat16)
+    theirs = [param.clone() for param in ours]
+    launches = _launched(monkeypatch)
+    torch.compile(lambda: functional._apply_update_(ours, updates, None, STEP_SIZES), fullgraph=True)()
+    _torch_ops(theirs, updates, None)
+    assert launches == []
+    for param, expected in zip(ours, theirs):
+        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)

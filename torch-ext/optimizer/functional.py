@@ -292,7 +292,9 @@ def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: T
     orientation (two kernels per parameter through torch's ops cost GPT-2 small's 48 matrices ~100 operator calls a
     step)."""
     device = params[0].device
-    if (not one_launch_serves(device.type) or torch.compiler.is_compiling()
+    # is_compiling first: the tracer folds it to True and reads nothing after it (one_launch_serves asks the CUDA
+    # runtime whether a graph is being captured).
+    if (torch.compiler.is_compiling() or not one_launch_serves(device.type)
             or any(isinstance(size, Tensor) for size in step_sizes)):
         native.apply_update_(params, updates, decay, step_sizes)
         return
