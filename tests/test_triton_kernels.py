@@ -1,7 +1,10 @@
 """The symmetric Triton kernels against float64 `torch` products, under the Triton interpreter on the CPU."""
 
 import importlib
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,6 +284,28 @@ def test_launchers_explain_a_missing_triton(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         for module_name in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
             del sys.modules[module_name]
+
+
+def test_the_package_loads_and_steps_without_triton() -> None:
+    """torch's CPU wheels bring no Triton: the built package loads without it and steps Muon and AdamW parameters
+    (a module importing from the Triton launchers directly once broke this)."""
+    code = """
+import sys
+sys.modules["triton"] = None  # as on a machine without it
+import torch
+from kernel_under_test import optimizer, submodule
+params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
+for param in params:
+    param.grad = torch.randn_like(param)
+before = [param.detach().clone() for param in params]
+optimizer.Muon(params, lr=0.02).step()
+assert not submodule(optimizer, "functional").TRITON_AVAILABLE
+assert all(not torch.equal(param, then) for param, then in zip(params, before))
+"""
+    tests = Path(__file__).resolve().parent
+    result = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tests)})
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.skipif(not triton_kernels.TRITON_AVAILABLE, reason="needs Triton")

@@ -25,7 +25,6 @@ from .routing import MatrixView
 from .state_precision import advance_counts_
 from .triton_kernels import (TRITON_AVAILABLE, apply_takes, launch_adamw_, launch_apply_, launch_counts_,
                              launch_nonfinite_, launchable, launchable_rounded, tabulate, tabulate_rounded)
-from .triton_kernels._launch import device_values
 from .workspace import Workspace
 
 T = TypeVar("T")
@@ -308,7 +307,7 @@ def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: T
     pending = list(groups.values())
     for done, indices in enumerate(pending):
         try:
-            launch_apply_(params, updates, decay, device_values(tuple(step_sizes), torch.float32, device), indices)
+            launch_apply_(params, updates, decay, step_sizes, indices)
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
             _one_launch_fails(error, device)
             rest += [index for group in pending[done:] for index in group]

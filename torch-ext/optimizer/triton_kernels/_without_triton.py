@@ -49,8 +49,8 @@ def apply_takes(param: Tensor, update: Tensor) -> bool:
     raise RuntimeError(_MISSING.format(name="apply_takes"))
 
 
-def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None, step_sizes: Tensor,
-                  indices: Sequence[int]) -> None:
+def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None,
+                  step_sizes: Sequence[float], indices: Sequence[int]) -> None:
     raise RuntimeError(_MISSING.format(name="launch_apply_"))
 
 
