@@ -141,3 +141,31 @@ def test_a_compiled_step_traces_torch_ops_in_place_of_the_launch(monkeypatch: py
     assert launches == []
     for param, expected in zip(ours, theirs):
         torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("options", [dict(normalization="neuron"), dict(normalization="element"),
+                                     dict(preconditioner="aol", ns_steps=4), dict(nesterov=False, weight_decay=0.0)],
+                         ids=["NorMuon", "AdaMuon", "AOL", "no decay"])
+def test_optimizer_steps_written_by_the_launch_equal_those_written_by_torch_ops(
+        options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole steps, the normalizations' rescaled updates and a tall matrix's transposed one among them: the same
+    parameters through the launch and through torch's ops, a few float32 roundings apart."""
+    generator = torch.Generator().manual_seed(2)
+    shapes = [(16, 24), (24, 16), (16, 24)]
+    start = [torch.randn(shape, generator=generator).to(DEVICE) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator).to(DEVICE) for shape in shapes] for _ in range(3)]
+    settings = {"lr": 0.02, "weight_decay": 0.1, "ns_dtype": torch.float32, **options}
+    results = []
+    for launched in (True, False):
+        with monkeypatch.context() as patch:
+            launches = _launched(patch) if launched else []
+            params = [torch.nn.Parameter(weight.clone()) for weight in start]
+            opt = optimizer.Muon(params, **settings)
+            for step_grads in grads:
+                for param, grad in zip(params, step_grads):
+                    param.grad = grad.clone()
+                opt.step()
+            assert bool(launches) == launched
+        results.append(params)
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

@@ -286,17 +286,21 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
 
 def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None,
                    step_sizes: Sequence[float | Tensor]) -> None:
-    """`native.apply_update_`, but on GPUs with Triton (outside torch.compile, which traces torch's ops; and numbers
-    for step sizes) the matrices `apply_takes` takes go in one launch per parameter dtype, update dtype and
-    orientation (two kernels per parameter through torch's ops cost GPT-2 small's 48 matrices ~100 operator calls a
-    step)."""
+    """`native.apply_update_`, but on GPUs with Triton (outside torch.compile, which traces torch's ops) the matrices
+    `apply_takes` takes go in one launch per parameter dtype, update dtype and orientation (two kernels per parameter
+    through torch's ops cost GPT-2 small's 48 matrices ~100 operator calls a step). Step sizes all numbers, or all
+    tensors on the device (a tensor lr, a normalization's RMS rule), which go to the launch as one float32 vector."""
     device = params[0].device
+    on_device = [isinstance(size, Tensor) for size in step_sizes]
     # is_compiling first: the tracer folds it to True and reads nothing after it (one_launch_serves asks the CUDA
     # runtime whether a graph is being captured).
-    if (torch.compiler.is_compiling() or not one_launch_serves(device.type)
-            or any(isinstance(size, Tensor) for size in step_sizes)):
+    mixed = any(on_device) and not all(on_device)
+    if torch.compiler.is_compiling() or not one_launch_serves(device.type) or mixed:
         native.apply_update_(params, updates, decay, step_sizes)
         return
+    sizes = step_sizes
+    if any(on_device):
+        sizes = torch.stack([size.reshape(()) for size in step_sizes]).to(device, torch.float32)
     groups: dict[tuple[torch.dtype, torch.dtype, bool], list[int]] = {}
     rest = []
     for index, (param, update) in enumerate(zip(params, updates)):
@@ -307,7 +311,7 @@ def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: T
     pending = list(groups.values())
     for done, indices in enumerate(pending):
         try:
-            launch_apply_(params, updates, decay, step_sizes, indices)
+            launch_apply_(params, updates, decay, sizes, indices)
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
             _one_launch_fails(error, device)
             rest += [index for group in pending[done:] for index in group]

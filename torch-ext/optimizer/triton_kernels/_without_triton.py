@@ -50,7 +50,7 @@ def apply_takes(param: Tensor, update: Tensor) -> bool:
 
 
 def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None,
-                  step_sizes: Sequence[float], indices: Sequence[int]) -> None:
+                  step_sizes: Sequence[float] | Tensor, indices: Sequence[int]) -> None:
     raise RuntimeError(_MISSING.format(name="launch_apply_"))
 
 

@@ -77,11 +77,11 @@ def apply_takes(param: Tensor, update: Tensor) -> bool:
 
 
 def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None,
-                  step_sizes: Sequence[float], indices: Sequence[int]) -> None:
+                  step_sizes: Sequence[float] | Tensor, indices: Sequence[int]) -> None:
     """`param * decay[i] + step_sizes[i] * update` for the parameters at `indices`, which `apply_takes` took, of one
     parameter dtype, one update dtype and one orientation (all contiguous updates, or all transposed): one launch.
-    `decay`: (N,) in the parameters' dtype on their device, or None (no decay); the step sizes go to the device as
-    float32, in one copy kept for the next launches with the same ones."""
+    `decay`: (N,) in the parameters' dtype on their device, or None (no decay). `step_sizes`: (N,) float32 on the
+    device, or numbers, which go there in one copy kept for the next launches with the same ones."""
     param_like, update_like = params[indices[0]], updates[indices[0]]
     param_base, update_base = param_like.data_ptr(), update_like.data_ptr()
     rows = tuple(value for i in indices
@@ -89,7 +89,8 @@ def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
                                (updates[i].data_ptr() - update_base) // ALIGNMENT, *params[i].shape, i))
     table = device_values(rows, torch.int64, param_like.device)
     tile_matrix, tile_index = _tile_tables(rows[2::_COLUMNS], rows[3::_COLUMNS], param_like.device)
-    sizes = device_values(tuple(step_sizes), torch.float32, param_like.device)
+    sizes = step_sizes if isinstance(step_sizes, Tensor) else device_values(tuple(step_sizes), torch.float32,
+                                                                             param_like.device)
     _apply_tiles_kernel[(tile_matrix.numel(),)](
         table, tile_matrix, tile_index, decay if decay is not None else sizes, sizes, param_like,
         update_like, COLUMNS=_COLUMNS, TRANSPOSED=not update_like.is_contiguous(), DECAY=decay is not None,
