@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import INTERPRETER, SUPPORTED_DTYPES, device_values
+from ._launch import ALIGNMENT, INTERPRETER, SUPPORTED_DTYPES, device_values
 from .rounding import bfloat16_rounded, bfloat16_value, e4m3_block_codes, e4m3_value, random_bits
 
 # Elements per program: enough that a program's scalar work (its tensor's row, the bias corrections) is small beside
@@ -33,14 +33,10 @@ BLOCK = 2048
 # gradient, first and second moment start, in 16-byte units from where the first parameter (first moment) starts,
 # then its step count's address and its size; with moments stored rounded, also its count of rounded writes' address
 # and, for 8-bit codes, the addresses of its moments' block scales; last, its skip count's address (0: none kept).
-# As multiples of 16 bytes from a pointer argument
-# (which Triton knows to be 16-byte aligned), the tensors' addresses are known to the compiler to be aligned, so it can
-# load and store them 16 bytes at a time; raw addresses loaded from memory would tell it nothing and leave it to move
-# one element per instruction.
+# Starts are in units of ALIGNMENT (see _launch.py), so that the compiler knows them aligned.
 _COLUMNS = 7
 _ROUNDED_COLUMNS = 10
 _NUMEL = 5
-ALIGNMENT = 16
 # Entries per scale of 8-bit codes, along the last dim (state_precision.BLOCK): a program's BLOCK entries are whole
 # blocks of a tensor whose last dim is a multiple of it.
 CODE_BLOCK = 256

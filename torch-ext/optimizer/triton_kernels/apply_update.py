@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import SUPPORTED_DTYPES, device_values
-from .adamw import ALIGNMENT
+from ._launch import ALIGNMENT, SUPPORTED_DTYPES, device_values
 
 # A tile's side: 64 x 64 entries, 16 KiB of float32 parameter, the update's transpose done in the tile.
 TILE = 64
