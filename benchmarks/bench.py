@@ -392,14 +392,14 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
                     "state_dtype='int8'": optimizer.Muon(groups, lr=0.02, state_dtype="int8"),
                     "preconditioner='aol', ns_steps=4": optimizer.Muon(groups, lr=0.02, preconditioner="aol",
                                                                        ns_steps=4)}
+        torch_kernels = {}
         if device.type == "cuda":  # on a CPU offload moves nothing, and the 16-bit Gram iteration runs slower
             variants["offload='cpu'"] = optimizer.Muon(groups, lr=0.02, offload="cpu")
             # A quarter of the bytes to move: what offload's floor (the host link, see _offload_floor) leaves room for.
             variants["offload='cpu', state_dtype='int8'"] = optimizer.Muon(groups, lr=0.02, offload="cpu",
                                                                            state_dtype="int8")
             variants["ns_algorithm='gram' (float16 on the GPU)"] = optimizer.Muon(groups, lr=0.02, ns_algorithm="gram")
-        torch_kernels = {}
-        if device.type == "cuda":  # what the one-launch Triton kernels (AdamW part, Muon update) save, side by side
+            # What the one-launch Triton kernels (AdamW part, Muon update) save, side by side.
             torch_kernels = {"optimizer.Muon, torch's kernels where one-launch Triton ones serve":
                              _without_one_launch(optimizer, optimizer.Muon(groups, lr=0.02).step)}
         # The compiled step compiles twice: before and after the step that creates the optimizer state.

@@ -70,7 +70,8 @@ def main() -> None:
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"{bench.cpu_model()}, {torch.get_num_threads()} threads")
     lines = [f"# Bucket chunks: {name}, torch {torch.__version__}", "",
-             "| model | chunks of at most | median ms | peak above parameters and gradients |", "| --- | --- | --- | --- |"]
+             "| model | chunks of at most | median ms | peak above parameters and gradients |",
+             "| --- | --- | --- | --- |"]
     for model, shapes in models.items():
         steps = []
         for cap in CAPS.values():

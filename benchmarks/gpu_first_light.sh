@@ -3,8 +3,9 @@
 # whole test suite with the CUDA cases and compiled Triton, the GPU correctness checks, the demo on the GPU and the
 # benchmarks, and `kernels benchmark` on the checkout. OUTDIR/summary.txt gets the machine's description and one line
 # per stage, OUTDIR/<stage>.log each stage's output; the correctness table, the benchmark table and the profiles of
-# single steps (ours and torch's: operators, kernel launches, host and kernel time per operator) land in OUTDIR too. Stages run in the order listed below; the tests of the files with GPU cases come right after the
-# build, the rest of the suite last. The test stage includes the notebook (tests/test_notebook.py: nbclient,
+# single steps (ours and torch's: operators, kernel launches, host and kernel time per operator) land in OUTDIR too.
+# Stages run in the order listed below; the tests of the files with GPU cases come right after the build, the rest of
+# the suite last. The test stage includes the notebook (tests/test_notebook.py: nbclient,
 # nbformat, ipykernel) and the get_kernel + LOCAL_KERNELS load, so those must be installed too: wheels found in .whl/
 # (kernels, the Jupyter packages, the peers measured beside us, the workflow linters, downloaded where an index can be
 # reached: the GPU machine cannot reach one) are installed beside the machine's own torch first.

@@ -1,11 +1,11 @@
 """Where one optimizer step's time goes, ours beside torch's, on GPT-2 small's parameters (its 48 hidden matrices to
 Muon, its vectors and token embedding to AdamW), on the MNIST MLP 784-256-256-10's (3 matrices, 3 biases), whose
-step is all host work on a GPU (the H100, 2026-11-26: 2.23 ms against torch's 1.28), and on one Llama-3-8B layer's (on a GPU):
-torch.profiler over the third step of each (the first creates the state, the second warms the caches), with the
-count of operators and of kernel launches, and each one's costliest operators by host time and, on a GPU, by kernel
-time. Ours runs with the defaults, and on GPT-2 small also with moments stored rounded and offloaded (the rows that
-missed issue 12's targets on the H100: 1.32x, 1.42x and 4.4x the default step's time), and on the Llama layer also
-compiled (0.94x of torch's speed there, against 1.20x eager).
+step is all host work on a GPU (the H100, 2026-11-26: 2.23 ms against torch's 1.28), and on one Llama-3-8B layer's
+(on a GPU): torch.profiler over the third step of each (the first creates the state, the second warms the caches),
+with the count of operators and of kernel launches, and each one's costliest operators by host time and, on a GPU,
+by kernel time. Ours runs with the defaults, and on GPT-2 small also with moments stored rounded and offloaded (the
+rows that missed issue 12's targets on the H100: 1.32x, 1.42x and 4.4x the default step's time), and on the Llama
+layer also compiled (0.94x of torch's speed there, against 1.20x eager).
 
 On a GPU a small model's step is bound by the host, not by the products (the H100 run of 2026-11-23: 24 ms for ~2 ms
 of Newton-Schulz), so the launch count and the host time per operator are what to shrink.
@@ -80,7 +80,8 @@ def profile_step(step: Callable[[], None], device: torch.device) -> list[str]:
     operators = sum(1 for event in events if _is_operator(event) and not _is_operator(event.cpu_parent))
     launches = sum(1 for event in events if event.name in _LAUNCHES)
     averages = trace.key_averages()
-    lines = [f"step {wall_ms:.2f} ms (profiled); operators called from Python: {operators}; kernel launches: {launches}",
+    lines = [f"step {wall_ms:.2f} ms (profiled); operators called from Python: {operators}; "
+             f"kernel launches: {launches}",
              "", "```", averages.table(sort_by="self_cpu_time_total", row_limit=TOP, max_name_column_width=60), "```"]
     if device.type == "cuda":
         lines += ["", "By kernel time:", "", "```",

@@ -1,6 +1,7 @@
-"""Compiles the AdamW part's and the Muon update's Triton kernels to machine code for GPUs of given capabilities, with no GPU: run by
-tests/test_triton_compile.py in a process of its own, since the tests' TRITON_INTERPRET=1 makes `triton.jit` return
-interpreted functions, which do not compile. Prints one JSON object: each case's name, "ok" or the error.
+"""Compiles the AdamW part's and the Muon update's Triton kernels to machine code for GPUs of given capabilities,
+with no GPU: run by tests/test_triton_compile.py in a process of its own, since the tests' TRITON_INTERPRET=1 makes
+`triton.jit` return interpreted functions, which do not compile. Prints one JSON object: each case's name, "ok" or
+the error.
 
     TRITON_INTERPRET=0 python tests/triton_compile_check.py 75 90
 """

@@ -292,9 +292,9 @@ def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: T
     tensors on the device (a tensor lr, a normalization's RMS rule), which go to the launch as one float32 vector."""
     device = params[0].device
     on_device = [isinstance(size, Tensor) for size in step_sizes]
+    mixed = any(on_device) and not all(on_device)
     # is_compiling first: the tracer folds it to True and reads nothing after it (one_launch_serves asks the CUDA
     # runtime whether a graph is being captured).
-    mixed = any(on_device) and not all(on_device)
     if torch.compiler.is_compiling() or not one_launch_serves(device.type) or mixed:
         native.apply_update_(params, updates, decay, step_sizes)
         return
@@ -314,7 +314,7 @@ def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: T
             launch_apply_(params, updates, decay, sizes, indices)
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
             _one_launch_fails(error, device)
-            rest += [index for group in pending[done:] for index in group]
+            rest += _joined(pending[done:])
             break
     if rest:
         native.apply_update_([params[i] for i in rest], [updates[i] for i in rest],
@@ -407,6 +407,7 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
         else:
             left.append(index)
     settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    pending = list(groups.values())
     for done, ((_, stored), indices) in enumerate(groups.items()):
         group = [items[i] for i in indices]
         skip_counts = [item.nonfinite_skips for item in group]
@@ -427,7 +428,7 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
             raise
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
             _one_launch_fails(error, items[0].param.device)
-            return left + [index for indices in list(groups.values())[done:] for index in indices]
+            return left + _joined(pending[done:])
         try:
             launch_counts_(tabulated, skipped)
         except Exception as error:  # noqa: BLE001 (as above; the update is written, so its counts move by torch's ops)
@@ -435,8 +436,13 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
             _count_steps_(group, skipped)
             if stored is not None:
                 advance_counts_([item.rounding_count for item in group], 1.0 - skipped)
-            return left + [index for indices in list(groups.values())[done + 1:] for index in indices]
+            return left + _joined(pending[done + 1:])
     return left
+
+
+def _joined(groups: Sequence[list[int]]) -> list[int]:
+    """The indices of the launch groups not done, for torch's kernels."""
+    return [index for group in groups for index in group]
 
 
 def _one_launch_fails(error: Exception, device: torch.device) -> None:
