@@ -283,9 +283,12 @@ def test_tensor_norms_count_a_gradient_whose_norm_overflows_as_not_finite() -> N
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
-def test_clip_and_step_on_a_gpu_do_not_sync_with_the_host() -> None:
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, "int8"])
+def test_clip_and_step_on_a_gpu_do_not_sync_with_the_host(state_dtype: torch.dtype | str | None) -> None:
+    """Moments stored rounded too: their counts once moved through a list index, which torch copies to the GPU from
+    pageable memory (a sync, and 0.3-0.8 ms of a GPT-2-small step on an H100)."""
     model = _model().cuda()
-    opt = optimizer.Muon(model.parameters(), lr=0.02)
+    opt = optimizer.Muon(model.parameters(), lr=0.02, state_dtype=state_dtype)
     tokens = torch.randint(0, 50, (4, 6), device="cuda")
     for _ in range(2):  # the first step creates state and picks paths
         model(tokens).square().mean().backward()

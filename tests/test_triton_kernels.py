@@ -303,8 +303,10 @@ assert not submodule(optimizer, "functional").TRITON_AVAILABLE
 assert all(not torch.equal(param, then) for param, then in zip(params, before))
 """
     tests = Path(__file__).resolve().parent
+    # Beside the caller's own path: where `kernels` is installed under a --target folder, as on the GPU machines.
+    path = os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(tests)})
+                            env={**os.environ, "PYTHONPATH": path})
     assert result.returncode == 0, result.stderr
 
 

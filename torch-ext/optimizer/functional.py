@@ -139,16 +139,25 @@ def momentum_step_(buffers: Sequence[Tensor], grads: Sequence[Tensor], outputs: 
     if agreed is not None:
         finite = finite * agreed  # products of 0.0 and 1.0: exact
     if rounded:
-        advance_counts_([rounding_counts[i] for i in rounded], finite[rounded])
+        advance_counts_([rounding_counts[i] for i in rounded], _picked(finite, rounded))
     return finite
 
 
+def _picked(values: Tensor, indices: Sequence[int]) -> Tensor:
+    """values[indices] without an index tensor: torch copies a list index to a GPU from pageable memory, which
+    synchronizes the host with the device. The selected entries are views, stacked in one kernel."""
+    if list(indices) == list(range(len(values))):
+        return values
+    return torch.stack([values[i] for i in indices])
+
+
 def _merged(parts: Sequence[tuple[list[int], Tensor]], total: int) -> Tensor:
-    """One (total,) tensor of the flags each part computed for its indices."""
-    merged = torch.empty(total, dtype=torch.float32, device=parts[0][1].device)
+    """One (total,) tensor of the flags each part computed for its indices (stacked from views, as in `_picked`)."""
+    entries: list[Tensor | None] = [None] * total
     for indices, flags in parts:
-        merged[indices] = flags
-    return merged
+        for index, flag in zip(indices, flags.unbind()):
+            entries[index] = flag
+    return torch.stack(entries)
 
 
 def buckets(items: Sequence[MuonTensors]) -> list[list[MuonTensors]]:
@@ -318,7 +327,7 @@ def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: T
             break
     if rest:
         native.apply_update_([params[i] for i in rest], [updates[i] for i in rest],
-                             None if decay is None else decay[rest], [step_sizes[i] for i in rest])
+                             None if decay is None else _picked(decay, rest), [step_sizes[i] for i in rest])
 
 
 @dataclass
@@ -422,7 +431,7 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
             if found_inf is None:
                 skipped = launch_nonfinite_(tabulated)
             else:
-                skipped = found_inf if len(indices) == len(items) else found_inf[indices]
+                skipped = _picked(found_inf, indices)
             launch_adamw_(tabulated, skipped, **settings)
         except ValueError:
             raise
