@@ -72,8 +72,8 @@ stage build 400 "$PY" tools/build.py
 stage gpu-tests 300 "${pytest[@]}" $spread $gpu_files
 stage bench 400 "$PY" benchmarks/bench.py --sections "${BENCH_SECTIONS:-gram,zeropower,step}" --results-dir "$out"
 stage check 200 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.md"
-# Only when asked for (Nsight Compute's `ncu`): the hardware counters of our Gram kernel (with and without TMA stores)
-# and tsyrk_ex at 8192 rows.
+# Only when asked for (Nsight Compute's `ncu`): the hardware counters of our Gram kernel (its programs row by row and
+# in bands) and tsyrk_ex at 4096 and 8192 rows.
 stage ncu 200 "${NCU:-ncu}" --nvtx --nvtx-include "measure/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
   --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats --section Occupancy \
   --section LaunchStats "$PY" benchmarks/gram_kernel_profile.py

@@ -1,6 +1,7 @@
 """The AdamW part's and the Muon update's Triton kernels compile to machine code (PTX, then ptxas's cubin) for the
-GPUs users run: a T4 (sm_75, the free Colab and Kaggle GPU), an A100 (sm_80) and an H100 (sm_90), on a machine
-without a GPU, where the other tests run them only under the Triton interpreter, which compiles nothing."""
+GPUs users run: a T4 (sm_75, the free Colab and Kaggle GPU), an A100 (sm_80) and an H100 (sm_90), and the symmetric
+products' for sm_90, on a machine without a GPU, where the other tests run them only under the Triton interpreter,
+which compiles nothing."""
 
 from __future__ import annotations
 

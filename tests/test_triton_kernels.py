@@ -19,16 +19,17 @@ if triton_kernels.TRITON_AVAILABLE:
     launch_rules = importlib.import_module(f"{triton_kernels.__name__}._launch")
     KERNELS = [importlib.import_module(f"{triton_kernels.__name__}.xxt")._xxt_lower_kernel,
                importlib.import_module(f"{triton_kernels.__name__}.symmetric_poly")._ba_plus_caa_lower_kernel]
-    lower_tile_coords = importlib.import_module(f"{triton_kernels.__name__}._tiling").lower_tile_coords
+    tile_coords = importlib.import_module(f"{triton_kernels.__name__}._tiling").tile_coords
     # Sizes are built from the tile the kernels use here so every case straddles tile edges and has off-diagonal
     # tiles to mirror, whatever the tile is; K_STEP-multiple sizes take the kernels' unmasked K loop.
     BLOCK = launch_rules.INTERPRETER_BLOCK_M if INTERPRETER else 128
     K_STEP = launch_rules.INTERPRETER_BLOCK_K if INTERPRETER else 64
 
     @triton.jit
-    def _tile_coords_probe(row_out, col_out, first_pid, count, BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr):
+    def _tile_coords_probe(row_out, col_out, first_pid, count, row_tiles, BLOCK_SIZE: tl.constexpr,
+                           WIDTH: tl.constexpr, BAND: tl.constexpr):
         index = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        row, col = lower_tile_coords(first_pid + index, WIDTH)
+        row, col = tile_coords(first_pid + index, row_tiles, WIDTH, BAND)
         inside = index < count
         tl.store(row_out + index, row, mask=inside)
         tl.store(col_out + index, col, mask=inside)
@@ -117,6 +118,8 @@ XXT_SHAPES = {
     # Gram matrices whose rows are too, for TMA stores: a tile wholly below the diagonal, its rows past the matrix.
     "tma_store_rows": (2 * BLOCK + 16, 200),
     "tma_store_batched": (2, 2 * BLOCK + 16, 152),
+    # Six row tiles: under the interpreter two bands of programs (INTERPRETER_BAND), the second cut short.
+    "two_bands": (5 * BLOCK + 16, 48),
 }
 
 
@@ -219,14 +222,41 @@ def row_major_lower_tiles(first_row: int, end_row: int, width: int) -> tuple[tor
 )
 def test_lower_tile_coords_enumerates_the_lower_tiles_row_by_row(first_row: int, end_row: int, width: int) -> None:
     expected_rows, expected_cols = row_major_lower_tiles(first_row, end_row, width)
-    count = expected_rows.numel()
+    rows, cols = probed_tile_coords(first_row, end_row, width, band=0)
+    assert torch.equal(rows, expected_rows) and torch.equal(cols, expected_cols)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("width", "band"), [(1, 1), (1, 16), (2, 2), (2, 4), (2, 16), (4, 16)])
+@pytest.mark.parametrize(("first_row", "end_row"), [(0, 1), (0, 7), (0, 37), (0, 300), (4592, 4650)])
+def test_banded_tile_coords_take_each_lower_tile_once_band_by_band(first_row: int, end_row: int, width: int,
+                                                                    band: int) -> None:
+    """Banded, the programs of each band of rows compute that band's lower tiles, each once (end_row closes the
+    matrix, so its last band may be short), the columns all its rows need first, column by column."""
+    rows, cols = probed_tile_coords(first_row, end_row, width, band)
+    expected_rows, expected_cols = row_major_lower_tiles(first_row, end_row, width)
+    for start in range(first_row, end_row, band):
+        in_band = (expected_rows >= start) & (expected_rows < start + band)
+        taken = (rows >= start) & (rows < start + band)
+        assert torch.equal(taken, in_band), "a band's programs must be the row-major order's programs of its rows"
+        listed = sorted(zip(expected_rows[in_band].tolist(), expected_cols[in_band].tolist()))
+        got = list(zip(rows[taken].tolist(), cols[taken].tolist()))
+        assert sorted(got) == listed, "each lower tile of the band once"
+        shared = start // width + 1
+        height = min(band, end_row - start)
+        assert got[:shared * height] == [(r, c) for c in range(shared) for r in range(start, start + height)]
+
+
+def probed_tile_coords(first_row: int, end_row: int, width: int, band: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What tile_coords gives the programs of the rows [first_row, end_row), of a matrix of end_row row tiles."""
+    first_pid = launch_rules.lower_tile_count(first_row, 1, width)
+    count = launch_rules.lower_tile_count(end_row, 1, width) - first_pid
     rows = torch.empty(count, dtype=torch.int32, device=DEVICE)
     cols = torch.empty_like(rows)
     probe_block = 1 << 14
-    first_pid = launch_rules.lower_tile_count(first_row, 1, width)
-    _tile_coords_probe[(triton.cdiv(count, probe_block),)](rows, cols, first_pid, count, BLOCK_SIZE=probe_block,
-                                                           WIDTH=width)
-    assert torch.equal(rows.cpu(), expected_rows) and torch.equal(cols.cpu(), expected_cols)
+    _tile_coords_probe[(triton.cdiv(count, probe_block),)](rows, cols, first_pid, count, end_row,
+                                                           BLOCK_SIZE=probe_block, WIDTH=width, BAND=band)
+    return rows.cpu(), cols.cpu()
 
 
 @pytest.mark.skipif(not triton_kernels.TRITON_AVAILABLE, reason="needs Triton")
@@ -312,37 +342,40 @@ assert all(not torch.equal(param, then) for param, then in zip(params, before))
 
 @pytest.mark.skipif(not triton_kernels.TRITON_AVAILABLE, reason="needs Triton")
 @pytest.mark.parametrize("dtype,rows,tma,tma_store,shared_memory,expected", [
-    # An H100 (227 KiB per block): all nine candidates for small bf16 Gram matrices, the 128-row ones for large.
+    # An H100 (227 KiB per block): all eleven candidates for small bf16 Gram matrices, the 128-row ones for large.
     (torch.bfloat16, 1024, True, True, 232448,
-     [(128, 256, 64, 4, True, True), (128, 256, 64, 3, True, True), (128, 256, 64, 3, True, False),
-      (128, 128, 64, 4, True, True), (128, 128, 64, 4, True, False), (128, 256, 64, 3, False, False),
-      (128, 128, 64, 4, False, False), (64, 64, 64, 4, True, False), (64, 64, 64, 4, False, False)]),
+     [(128, 256, 64, 4, True, True, 0), (128, 256, 64, 3, True, True, 0), (128, 256, 64, 4, True, True, 16),
+      (128, 128, 64, 4, True, True, 16), (128, 256, 64, 3, True, False, 0),
+      (128, 128, 64, 4, True, True, 0), (128, 128, 64, 4, True, False, 0), (128, 256, 64, 3, False, False, 0),
+      (128, 128, 64, 4, False, False, 0), (64, 64, 64, 4, True, False, 0), (64, 64, 64, 4, False, False, 0)]),
     (torch.bfloat16, 8192, True, True, 232448,
-     [(128, 256, 64, 4, True, True), (128, 256, 64, 3, True, True), (128, 256, 64, 3, True, False),
-      (128, 128, 64, 4, True, True), (128, 128, 64, 4, True, False), (128, 256, 64, 3, False, False),
-      (128, 128, 64, 4, False, False)]),
+     [(128, 256, 64, 4, True, True, 0), (128, 256, 64, 3, True, True, 0), (128, 256, 64, 4, True, True, 16),
+      (128, 128, 64, 4, True, True, 16), (128, 256, 64, 3, True, False, 0),
+      (128, 128, 64, 4, True, True, 0), (128, 128, 64, 4, True, False, 0), (128, 256, 64, 3, False, False, 0),
+      (128, 128, 64, 4, False, False, 0)]),
     # An output TMA cannot write (a transposed view): TMA loads, stores through pointers.
     (torch.bfloat16, 8192, True, False, 232448,
-     [(128, 256, 64, 3, True, False), (128, 128, 64, 4, True, False), (128, 256, 64, 3, False, False),
-      (128, 128, 64, 4, False, False)]),
+     [(128, 256, 64, 3, True, False, 0), (128, 128, 64, 4, True, False, 0), (128, 256, 64, 3, False, False, 0),
+      (128, 128, 64, 4, False, False, 0)]),
     # An operand TMA cannot read (a transposed view, a row of an odd number of bytes): the pointer candidates.
-    (torch.bfloat16, 8192, False, True, 232448, [(128, 256, 64, 3, False, False), (128, 128, 64, 4, False, False)]),
+    (torch.bfloat16, 8192, False, True, 232448,
+     [(128, 256, 64, 3, False, False, 0), (128, 128, 64, 4, False, False, 0)]),
     # fp32 operands take twice the bytes: the 128-row pipelines (256 KiB and more) do not fit, the 64-row ones do.
-    (torch.float32, 8192, True, True, 232448, [(64, 64, 64, 4, True, False), (64, 64, 64, 4, False, False)]),
+    (torch.float32, 8192, True, True, 232448, [(64, 64, 64, 4, True, False, 0), (64, 64, 64, 4, False, False, 0)]),
     # A T4 (64 KiB, no TMA): no candidate leaves room for the epilogue, so the smaller pipelines.
-    (torch.float16, 1024, False, False, 65536, [(128, 128, 32, 3, False, False), (64, 64, 32, 2, False, False)]),
-    (torch.float32, 8192, False, False, 65536, [(64, 64, 32, 2, False, False)]),
+    (torch.float16, 1024, False, False, 65536, [(128, 128, 32, 3, False, False, 0), (64, 64, 32, 2, False, False, 0)]),
+    (torch.float32, 8192, False, False, 65536, [(64, 64, 32, 2, False, False, 0)]),
 ])
 def test_tile_configs_fit_shared_memory(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rows: int, tma: bool,
                                         tma_store: bool, shared_memory: int,
-                                        expected: list[tuple[int, int, int, int, bool, bool]]) -> None:
+                                        expected: list[tuple[int, int, int, int, bool, bool, int]]) -> None:
     monkeypatch.setattr(launch_rules, "INTERPRETER", False)
     monkeypatch.setattr(launch_rules, "_max_shared_memory", lambda: shared_memory)
     configs = launch_rules.symmetric_tile_configs()
     kept = launch_rules.prune_tile_configs(configs, {"x_ptr": torch.empty(0, dtype=dtype), "M": rows}, TMA_READY=tma,
                                            TMA_STORE_READY=tma_store)
     tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.kwargs["TMA"],
-              c.kwargs["TMA_STORE"]) for c in kept]
+              c.kwargs["TMA_STORE"], c.kwargs["BAND"]) for c in kept]
     assert tiles == expected
     element_size = torch.empty(0, dtype=dtype).element_size()
     assert all(launch_rules._operand_bytes(c, element_size) <= shared_memory for c in kept)

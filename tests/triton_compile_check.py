@@ -1,13 +1,14 @@
-"""Compiles the AdamW part's and the Muon update's Triton kernels to machine code for GPUs of given capabilities,
-with no GPU: run by tests/test_triton_compile.py in a process of its own, since the tests' TRITON_INTERPRET=1 makes
-`triton.jit` return interpreted functions, which do not compile. Prints one JSON object: each case's name, "ok" or
-the error.
+"""Compiles the AdamW part's, the Muon update's and the symmetric products' Triton kernels to machine code for GPUs of
+given capabilities, with no GPU: run by tests/test_triton_compile.py in a process of its own, since the tests'
+TRITON_INTERPRET=1 makes `triton.jit` return interpreted functions, which do not compile. Prints one JSON object:
+each case's name, "ok" or the error.
 
     TRITON_INTERPRET=0 python tests/triton_compile_check.py 75 90
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from optimizer.triton_kernels import adamw, apply_update  # noqa: E402 (the source tree's package, after its path)
+
+symmetric_kernels = [importlib.import_module(f"optimizer.triton_kernels.{name}") for name in ("xxt", "symmetric_poly")]
 
 TABLES = {"table": "*i64", "block_tensor": "*i64", "block_start": "*i64"}
 RULE = {name: "fp32" for name in ("lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay")}
@@ -59,6 +62,19 @@ def _apply(param: str, update: str, transposed: bool, decay: bool) -> tuple:
         UPDATE_ELEMENTS_PER_UNIT=UNITS[update], SIDE_MULTIPLE=apply_update.SIDE_MULTIPLE, TILE=apply_update.TILE)
 
 
+def _symmetric(kernel, band: int) -> tuple:
+    """A symmetric product's kernel through pointers (no TMA descriptors, which need a GPU to build), fp16 operands,
+    128x256 tiles, in the programs' order `band` picks."""
+    kernel = kernel.fn.fn  # under the autotuner's and the heuristics' wrappers
+    signature = {name: "*fp16" if name.endswith("_ptr") else "fp32" if name in ("b", "c") else "i32"
+                 for name in kernel.arg_names if name.endswith("_ptr") or name in ("M", "K", "b", "c")
+                 or name.startswith("stride")}
+    constants = dict(TMA_READY=False, TMA_STORE_READY=False, UPCAST_DOT=False, IEEE_FP32=False, BLOCK_M=128,
+                     BLOCK_N=256, BLOCK_K=64, TMA=False, TMA_STORE=False, BAND=band, EVEN_K=True,
+                     **{name: None for name in kernel.arg_names if name.endswith("_desc")})
+    return kernel, signature, {name: value for name, value in constants.items() if name in kernel.arg_names}
+
+
 CASES = {
     "update fp32": _plain("*fp32", False), "update bf16, lr on the device": _plain("*bf16", True),
     "update fp16": _plain("*fp16", False), "rounded bf16 moments": _rounded("*fp32", False),
@@ -68,6 +84,10 @@ CASES = {
     "Muon update, transposed, no decay": _apply("*fp32", "*bf16", True, False),
     "Muon update, bf16 parameters, transposed": _apply("*bf16", "*bf16", True, True),
 }
+# Only where kernel_choice sends the products to Triton (sm_90), and only the programs' banded order, which no GPU has
+# run yet: each takes 5-10 s to compile.
+SM90_CASES = {f"{module.__name__.rsplit('.', 1)[1]}, in bands": _symmetric(getattr(module, kernel), 16)
+              for module, kernel in zip(symmetric_kernels, ("_xxt_lower_kernel", "_ba_plus_caa_lower_kernel"))}
 
 
 def compile_case(kernel, signature: dict, constants: dict, capability: int) -> str:
@@ -85,8 +105,11 @@ def compile_case(kernel, signature: dict, constants: dict, capability: int) -> s
 
 
 def main() -> None:
+    capabilities = list(map(int, sys.argv[1:]))
     results = {f"{name} sm_{capability}": compile_case(*case, capability)
-               for capability in map(int, sys.argv[1:]) for name, case in CASES.items()}
+               for capability in capabilities for name, case in CASES.items()}
+    if 90 in capabilities:
+        results |= {f"{name} sm_90": compile_case(*case, 90) for name, case in SM90_CASES.items()}
     print(json.dumps(results))
 
 

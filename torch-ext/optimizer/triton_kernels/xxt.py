@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ._launch import (as_batched, check_operand, dot_flags, gram_output, k_divides, lower_tile_grid,
                       prune_tile_configs, symmetric_tile_configs, tma_descriptors)
-from ._tiling import gram_tile, lower_tile_coords, store_symmetric
+from ._tiling import gram_tile, store_symmetric, tile_coords
 
 
 @triton.autotune(configs=symmetric_tile_configs(), key=["M", "K", "TMA_READY", "TMA_STORE_READY"],
@@ -39,9 +39,10 @@ def _xxt_lower_kernel(
     BLOCK_K: tl.constexpr,
     TMA: tl.constexpr,
     TMA_STORE: tl.constexpr,
+    BAND: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    row_tile, col_tile = lower_tile_coords(tl.program_id(0), BLOCK_N // BLOCK_M)
+    row_tile, col_tile = tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), BLOCK_N // BLOCK_M, BAND)
     batch = tl.program_id(1)
     x = x_ptr + batch.to(tl.int64) * stride_xb
     gram = gram_tile(x, left_desc, right_desc, batch, row_tile, col_tile, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_N,
