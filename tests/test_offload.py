@@ -77,6 +77,22 @@ def test_adamw_groups_fill_the_byte_budget_in_order_and_a_larger_parameter_goes_
     assert [[item.size for item in group] for group in groups] == [[3, 4, 1], [10], [2, 0, 5]]
 
 
+def test_a_groups_device_copies_are_aligned_disjoint_views_of_one_allocation() -> None:
+    """The CUDA copier's copies (made here on the CPU): each of its state tensor's shape and dtype, contiguous, from a
+    16-byte boundary as the one-launch kernels need, none overlapping another, and all in one allocation."""
+    homes = [torch.zeros(5, 3), torch.zeros(7, dtype=torch.int8), torch.zeros(()), torch.zeros(0, 4),
+             torch.zeros(300, dtype=torch.bfloat16)]
+    copies = offload_module._packed_like(homes, torch.device("cpu"))
+    assert [(copy.shape, copy.dtype) for copy in copies] == [(home.shape, home.dtype) for home in homes]
+    assert all(copy.is_contiguous() and copy.data_ptr() % 16 == 0 for copy in copies)
+    assert len({copy.untyped_storage().data_ptr() for copy in copies}) == 1
+    spans = sorted((copy.data_ptr(), copy.data_ptr() + copy.nbytes) for copy in copies if copy.nbytes)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    for copy, value in zip(copies, range(1, len(copies) + 1)):
+        copy.fill_(value)
+    assert [copy.unique().tolist() for copy in copies if copy.numel()] == [[1.0], [2], [3.0], [5.0]]
+
+
 def test_offload_on_cpu_parameters_is_a_noop_that_says_so_once() -> None:
     with pytest.warns(UserWarning, match="offload='cpu' has no effect here: every parameter is on the CPU") as notes:
         opt = _train(_model_params(0), 2, offload="cpu")

@@ -5,10 +5,11 @@ parameters at a time, the next group's copy in flight while the current one comp
 GPU:
     fetch(0); fetch(1); update(0); write back(0); fetch(2); update(1); write back(1); ...
 The distributed pipeline stages its chunks with the same `start_fetch` / `staged` / `Copier.write_back`, a chunk's
-fetch issued while the chunks before it compute. The CUDA copier issues the copies on a side stream: a fetch waits
-for nothing on the compute stream (the host memory it reads is written back on the same side stream, so in order),
-an update waits for its fetch's event, and a write-back waits for the update's event. The device then holds at most
-two groups' state at once (four chunks' in the distributed pipeline).
+fetch issued while the chunks before it compute. The CUDA copier issues fetches on one side stream and write-backs on
+another, so that the host link carries both directions at once: a fetch waits for nothing on the compute stream (the
+host memory it reads was last written back by the previous step, which waited for its write-backs), an update waits
+for its fetch's event, and a write-back waits for the update's event. The device then holds at most two groups' state
+at once (four chunks' in the distributed pipeline).
 """
 
 from __future__ import annotations
@@ -74,38 +75,72 @@ class Copier(Protocol):
         """Returns once every write-back is in host memory."""
 
 
+# Where each of a group's device copies starts in their one allocation: the caching allocator's own alignment, so the
+# one-launch kernels, which need 16 bytes, take them as they take tensors of their own.
+_COPY_ALIGNMENT = 512
+
+
 @dataclass
 class _Fetched:
-    copies: list[Tensor]
+    copies: list[Tensor]  # views of one allocation
     event: torch.cuda.Event
 
 
 class CudaCopier:
-    """Copies on a side stream of the parameters' GPU, ordered with the compute stream by events."""
+    """Copies on two side streams of the parameters' GPU, fetches on one and write-backs on the other, ordered with
+    the compute stream by events. One side stream ran the two directions one after the other: GPT-2 small's offloaded
+    step on an H100 (2026-11-26) spent 12.1 ms fetching and 12.5 ms writing back, in a 30.7 ms step. A group's
+    device copies are views of one allocation, filled and emptied by one call each (a `to` call per tensor took 7 ms
+    of that step's host time for its 242 state tensors)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
+        self.fetch_stream = torch.cuda.Stream(device)
+        self.write_stream = torch.cuda.Stream(device)
 
     def fetch(self, homes: list[Tensor], device: torch.device) -> _Fetched:
-        with torch.cuda.stream(self.stream):
-            copies = [home.to(device, non_blocking=True) for home in homes]
-            return _Fetched(copies, self.stream.record_event())
+        with torch.cuda.stream(self.fetch_stream):
+            copies = _packed_like(homes, device)
+            _copy_all(copies, homes)
+            return _Fetched(copies, self.fetch_stream.record_event())
 
     def ready(self, handle: _Fetched) -> list[Tensor]:
-        compute = torch.cuda.current_stream(self.stream.device)
+        compute = torch.cuda.current_stream(self.fetch_stream.device)
         compute.wait_event(handle.event)
-        for copy in handle.copies:  # allocated on the side stream, used on the compute stream
-            copy.record_stream(compute)
+        _record_stream(handle.copies, compute)  # allocated on the fetch stream, used on the compute stream
         return handle.copies
 
     def write_back(self, copies: list[Tensor], homes: list[Tensor]) -> None:
-        self.stream.wait_event(torch.cuda.current_stream(self.stream.device).record_event())
-        with torch.cuda.stream(self.stream):
-            for copy, home in zip(copies, homes):
-                home.copy_(copy, non_blocking=True)
+        self.write_stream.wait_event(torch.cuda.current_stream(self.write_stream.device).record_event())
+        _record_stream(copies, self.write_stream)
+        with torch.cuda.stream(self.write_stream):
+            _copy_all(homes, copies)
 
     def finish(self) -> None:
-        self.stream.synchronize()  # the host may read the state as soon as step() returns
+        self.write_stream.synchronize()  # the host may read the state as soon as step() returns
+
+
+def _packed_like(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+    """Uninitialized contiguous tensors of `tensors`' shapes and dtypes on `device`, views of one allocation."""
+    starts, total = [], 0
+    for tensor in tensors:
+        starts.append(total)
+        total += -(-tensor.nbytes // _COPY_ALIGNMENT) * _COPY_ALIGNMENT
+    memory = torch.empty(total, dtype=torch.uint8, device=device)
+    return [memory[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            for start, tensor in zip(starts, tensors)]
+
+
+def _copy_all(destinations: list[Tensor], sources: list[Tensor]) -> None:
+    """Each source into its destination, asynchronously where one side is pinned host memory (one call; the foreach
+    op refuses empty lists)."""
+    if sources:
+        torch._foreach_copy_(destinations, sources, non_blocking=True)
+
+
+def _record_stream(copies: Sequence[Tensor], stream: torch.cuda.Stream) -> None:
+    """Marks the allocations under `copies` (usually one) in use on `stream` until its work so far is done."""
+    for copy in {copy.untyped_storage().data_ptr(): copy for copy in copies}.values():
+        copy.record_stream(stream)
 
 
 def staged_muon_update(items: list[MuonTensors], **settings: Any) -> None:
