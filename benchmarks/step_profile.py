@@ -5,7 +5,9 @@ step is all host work on a GPU (the H100, 2026-11-26: 2.23 ms against torch's 1.
 with the count of operators and of kernel launches, and each one's costliest operators by host time and, on a GPU,
 by kernel time. Ours runs with the defaults, and on GPT-2 small also with moments stored rounded and offloaded (the
 rows that missed issue 12's targets on the H100: 1.32x, 1.42x and 4.4x the default step's time), and on the Llama
-layer also compiled (0.94x of torch's speed there, against 1.20x eager).
+layer also compiled (0.94x of torch's speed there, against 1.20x eager). GPT-2 small's AdamW part alone (its 97
+vectors and embedding: 0.49x of fused AdamW's speed on the H100, host-bound) is profiled too. Each step of ours also
+gets a table of its Python functions by cumulative time (cProfile over PYTHON_STEPS steps), the host work to shrink.
 
 On a GPU a small model's step is bound by the host, not by the products (the H100 run of 2026-11-23: 24 ms for ~2 ms
 of Newton-Schulz), so the launch count and the host time per operator are what to shrink.
@@ -14,6 +16,9 @@ of Newton-Schulz), so the launch count and the host time per operator are what t
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 BENCHMARKS = Path(__file__).resolve().parent
 TOP = 25
+PYTHON_STEPS = 20
 # The runtime calls that launch a kernel: torch's own kernels, and Triton's (cuLaunchKernelEx).
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
@@ -51,6 +57,11 @@ def _steps(optimizer, device: torch.device) -> dict[str, Callable[[], None]]:
         return step
 
     steps = {}
+    _, adamw_params = bench._step_params(device, *models["GPT-2 small"])
+    steps["GPT-2 small's AdamW part: torch.optim.AdamW(fused=True)"] = torch.optim.AdamW(
+        adamw_params, lr=0.02, betas=(0.9, 0.95), fused=True).step
+    steps[f"GPT-2 small's AdamW part: {ours}"] = optimizer.Muon([dict(params=adamw_params, use_muon=False)],
+                                                                lr=0.02).step
     for model, shapes in models.items():
         matrices, vectors = bench._step_params(device, *shapes)
         for label in labels[model]:
@@ -89,6 +100,21 @@ def profile_step(step: Callable[[], None], device: torch.device) -> list[str]:
     return lines
 
 
+def python_profile(step: Callable[[], None], device: torch.device) -> list[str]:
+    """The step's Python functions by cumulative time over PYTHON_STEPS steps (cProfile, which slows each call)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(PYTHON_STEPS):
+        step()
+    _synchronize(device)
+    profiler.disable()
+    report = io.StringIO()
+    pstats.Stats(profiler, stream=report).strip_dirs().sort_stats("cumulative").print_stats(TOP)
+    body = report.getvalue()
+    return [f"Python functions by cumulative time, {PYTHON_STEPS} steps:", "", "```",
+            body[body.index("ncalls"):].rstrip(), "```"]
+
+
 def _is_operator(event) -> bool:
     """An operator's event (aten's, or one of the package's compiled ops), as opposed to a record_function range."""
     return event is not None and "::" in event.name and not event.name.startswith("Optimizer.")
@@ -107,6 +133,8 @@ def main() -> None:
     lines = [f"# One optimizer step profiled: {name}, torch {torch.__version__}", ""]
     for label, step in _steps(optimizer, device).items():
         lines += [f"## {label}", "", *profile_step(step, device), ""]
+        if "optimizer.Muon" in label:
+            lines += [*python_profile(step, device), ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 
