@@ -377,8 +377,8 @@ def _taken(tensors: tuple[tuple[Tensor, torch.dtype], ...], shape: torch.Size) -
 
 def adamw_takes(tensor: Tensor) -> bool:
     """Whether the kernel reads and writes this tensor where it lies: contiguous, from a 16-byte boundary (an empty
-    one from anywhere)."""
-    return tensor.is_contiguous() and (tensor.numel() == 0 or tensor.data_ptr() % ALIGNMENT == 0)
+    one from anywhere; asked second, as it rarely decides)."""
+    return tensor.is_contiguous() and (tensor.data_ptr() % ALIGNMENT == 0 or tensor.numel() == 0)
 
 
 def _log2(beta: float) -> float:
