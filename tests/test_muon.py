@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import pickle
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +32,15 @@ def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
-def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
+def seeded_grads(params: list[torch.Tensor], seed: int, in_place: bool = False) -> None:
+    """Fresh gradients, or with `in_place` the same values written into the gradients the parameters hold."""
     generator = torch.Generator().manual_seed(seed)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+        grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+        if in_place and p.grad is not None:
+            p.grad.copy_(grad)
+        else:
+            p.grad = grad
 
 
 # --- against torch.optim.Muon and torch.optim.AdamW ---------------------------------------------------------
@@ -115,7 +122,8 @@ def test_matches_torch_adamw_for_non_matrices(adamw_path: str) -> None:
 ADAMW_SETTINGS = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
 
 
-def stepped_beside_fused_adamw(ours: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+def stepped_beside_fused_adamw(ours: list[torch.Tensor], steps: int, in_place_grads: bool = False
+                               ) -> list[torch.Tensor]:
     """Steps `ours` as a Muon's AdamW-routed group (ADAMW_SETTINGS) and contiguous clones of them by fused
     torch.optim.AdamW, one optimizer per dtype (its kernel takes one); returns the clones."""
     theirs = [p.clone(memory_format=torch.contiguous_format) for p in ours]  # torch's CPU fused misreads views
@@ -127,7 +135,7 @@ def stepped_beside_fused_adamw(ours: list[torch.Tensor], steps: int) -> list[tor
         by_dtype.setdefault(param.dtype, []).append(param)
     references = [torch.optim.AdamW(group, fused=True, **ADAMW_SETTINGS) for group in by_dtype.values()]
     for step in range(steps):
-        seeded_grads(ours, step)
+        seeded_grads(ours, step, in_place_grads)
         seeded_grads(theirs, step)
         opt.step()
         for reference in references:
@@ -140,10 +148,9 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
     launches = []
-    tabulate = functional.tabulate
-    monkeypatch.setattr(functional, "tabulate",
-                        lambda tensors, *args, **kwargs: launches.append([row[0].dtype for row in tensors])
-                        or tabulate(tensors, *args, **kwargs))
+    launch = functional.launch_adamw_
+    monkeypatch.setattr(functional, "launch_adamw_", lambda tabulated, *args, **kwargs: launches.append(
+        [tabulated.like.dtype] * (tabulated.table.numel() // tabulated.columns)) or launch(tabulated, *args, **kwargs))
     torch.manual_seed(0)
     wide, longer = torch.randn(9, 7), torch.randn(17)
     # The last two: a transposed view, and a contiguous view starting 4 bytes into its storage.
@@ -157,6 +164,36 @@ def test_one_launch_path_takes_contiguous_parameters_per_dtype_and_leaves_the_re
     # truncates its stores); an ulp is at most eps * |value|.
     bound = 3 * torch.finfo(torch.bfloat16).eps * theirs[2].float().abs()
     assert ((ours[2].float() - theirs[2].float()).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
+def test_one_launch_groups_kept_between_steps_step_as_fused_adamw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients written in place keep every tensor where it was: the launch groups and tables are built at the
+    first step only (`launch_plans`), and the later steps through them still match torch's fused AdamW."""
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+    tables = []
+    tabulate = functional.tabulate
+    monkeypatch.setattr(functional, "tabulate", lambda tensors, *args, **kwargs: tables.append(len(tensors))
+                        or tabulate(tensors, *args, **kwargs))
+    torch.manual_seed(0)
+    ours = [torch.randn(37), torch.randn(5, 3), torch.randn(16)]
+    theirs = stepped_beside_fused_adamw(ours, steps=4, in_place_grads=True)
+    assert tables == [3]
+    for mine, reference in zip(ours, theirs):
+        torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
+def test_kept_launch_groups_keep_no_parameter_or_moment_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+    params = [torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(16).bfloat16())]
+    seeded_grads(params, 0)
+    opt = Muon([dict(params=params, use_muon=False)], lr=0.01)
+    opt.step()
+    refs = [weakref.ref(tensor) for param in params for tensor in (param, *opt.state[param].values())]
+    del opt, params
+    gc.collect()
+    assert all(ref() is None for ref in refs)
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")

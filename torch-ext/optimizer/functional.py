@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor
 
 from . import native
+from .launch_plans import launch_plan
 from .newton_schulz import Orthogonalizer
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
@@ -26,6 +27,9 @@ from .state_precision import advance_counts_
 from .triton_kernels import (TRITON_AVAILABLE, apply_takes, launch_adamw_, launch_apply_, launch_counts_,
                              launch_nonfinite_, launchable, launchable_rounded, tabulate, tabulate_rounded)
 from .workspace import Workspace
+
+if TYPE_CHECKING:
+    from .triton_kernels.adamw import Tabulated
 
 T = TypeVar("T")
 
@@ -376,7 +380,7 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr:
     if found_inf is None:
         flags = nonfinite_flags([item.grad for item in rest])
     else:
-        flags = found_inf if len(rest) == len(items) else found_inf[list(left)]
+        flags = _picked(found_inf, left)
     _count_steps_(rest, flags)
     for item, flag in zip(rest, flags.unbind()):
         _fused_adamw_one_(item, flag, **settings)
@@ -402,10 +406,50 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
                        betas: tuple[float, float], eps: float, weight_decay: float) -> list[int]:
     """The parameters the Triton kernels take, in one launch per dtype and stored form of their moments, each with its
     skip flag (found_inf's, or where None, its gradient checked by a launch before): those `_fits_one_launch` takes,
-    and those whose moments are stored rounded that `_fits_rounded_launch` takes; a launch after moves their step,
-    skip and rounding counts by the flags. Returns the indices of the others. Where a kernel fails to build or launch
-    before the update is written, says so once and returns the indices it had not done, for torch's fused kernel,
-    now and at every later step."""
+    and those whose moments are stored rounded that `_fits_rounded_launch` takes (decided once and kept while the
+    tensors stay: `launch_plans`); a launch after moves their step, skip and rounding counts by the flags. Returns the
+    indices of the others. Where a kernel fails to build or launch before the update is written, says so once and
+    returns the indices it had not done, for torch's fused kernel, now and at every later step."""
+    plan = launch_plan(items, _addressed, _launch_groups)
+    settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    for done, group in enumerate(plan.groups):
+        tabulated = group.tabulated_for(items)
+        try:
+            skipped = launch_nonfinite_(tabulated) if found_inf is None else _picked(found_inf, group.indices)
+            launch_adamw_(tabulated, skipped, **settings)
+        except ValueError:
+            raise
+        except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
+            _one_launch_fails(error, items[0].param.device)
+            return plan.left + _joined([group.indices for group in plan.groups[done:]])
+        try:
+            launch_counts_(tabulated, skipped)
+        except Exception as error:  # noqa: BLE001 (as above; the update is written, so its counts move by torch's ops)
+            _one_launch_fails(error, items[0].param.device)
+            taken = [items[i] for i in group.indices]
+            _count_steps_(taken, skipped)
+            if group.stored is not None:
+                advance_counts_([item.rounding_count for item in taken], 1.0 - skipped)
+            return plan.left + _joined([group.indices for group in plan.groups[done + 1:]])
+    return plan.left
+
+
+@dataclass(frozen=True)
+class _LaunchGroup:
+    """The parameters of one launch: their dtype's, and their moments' stored form (None: as they are), with their
+    tables, kept without the tensors their units count from (a kept plan holds no tensor)."""
+
+    stored: torch.dtype | None
+    indices: list[int]
+    tables: Tabulated
+
+    def tabulated_for(self, items: Sequence[AdamWTensors]) -> Tabulated:
+        first = items[self.indices[0]]
+        return replace(self.tables, like=first.param, moment_like=None if self.stored is None else first.exp_avg)
+
+
+def _launch_groups(items: Sequence[AdamWTensors]) -> tuple[list[_LaunchGroup], list[int]]:
+    """The one-launch groups of `_adamw_one_launch_`, with their tables, and the indices of the items they leave."""
     groups: dict[tuple[torch.dtype, torch.dtype | None], list[int]] = {}
     left = []
     for index, item in enumerate(items):
@@ -415,9 +459,8 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
             groups.setdefault((item.param.dtype, item.exp_avg.dtype), []).append(index)
         else:
             left.append(index)
-    settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    pending = list(groups.values())
-    for done, ((_, stored), indices) in enumerate(groups.items()):
+    launches = []
+    for (_, stored), indices in groups.items():
         group = [items[i] for i in indices]
         skip_counts = [item.nonfinite_skips for item in group]
         if stored is None:
@@ -427,26 +470,15 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
             tabulated = tabulate_rounded([(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step,
                                            item.rounding_count, item.exp_avg_scales, item.exp_avg_sq_scales)
                                           for item in group], skip_counts)
-        try:
-            if found_inf is None:
-                skipped = launch_nonfinite_(tabulated)
-            else:
-                skipped = _picked(found_inf, indices)
-            launch_adamw_(tabulated, skipped, **settings)
-        except ValueError:
-            raise
-        except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
-            _one_launch_fails(error, items[0].param.device)
-            return left + _joined(pending[done:])
-        try:
-            launch_counts_(tabulated, skipped)
-        except Exception as error:  # noqa: BLE001 (as above; the update is written, so its counts move by torch's ops)
-            _one_launch_fails(error, items[0].param.device)
-            _count_steps_(group, skipped)
-            if stored is not None:
-                advance_counts_([item.rounding_count for item in group], 1.0 - skipped)
-            return left + _joined(pending[done + 1:])
-    return left
+        launches.append(_LaunchGroup(stored, indices, replace(tabulated, like=None, moment_like=None)))
+    return launches, left
+
+
+def _addressed(item: AdamWTensors) -> tuple[Tensor | None, ...]:
+    """What an item's launch group depends on besides its gradient: the tensors its table row holds, and the
+    positions that keep a shard out of the rounded launch."""
+    return (item.param, item.exp_avg, item.exp_avg_sq, item.step, item.nonfinite_skips, item.rounding_count,
+            item.exp_avg_scales, item.exp_avg_sq_scales, item.rounding_positions)
 
 
 def _joined(groups: Sequence[list[int]]) -> list[int]:

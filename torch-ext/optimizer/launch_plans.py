@@ -1,0 +1,72 @@
+"""The AdamW part's launch plans, kept between steps: which parameters the one-launch Triton kernels take, in which
+launch groups, with their address tables. Deciding that anew checks four tensors of every parameter and reads six
+addresses (GPT-2 small's 97 AdamW tensors: ~40% of the part's host time on a 2-core Xeon, where the part's host time
+is what keeps it at 0.49x of fused AdamW's speed on an H100). A plan is reused while it still describes the step's
+tensors: the same parameter and state tensor objects at the same addresses, and gradients at the addresses the
+tables hold, still contiguous (a gradient is a new tensor at each step, but the caching allocator usually hands
+its block out again; the gradient setter keeps its shape and dtype those of the parameter).
+
+The plans are kept by the parameters' identities, a few at a time (one per call site: the AdamW tensors of each
+device and param group, each offload group), and hold weak references only: a plan never keeps a tensor alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+# Plans kept at once: enough for every launch group of a model's param groups and devices, or a step's offload
+# groups (GPT-2 small's AdamW state goes in 9 groups of up to 32 MiB).
+MAX_PLANS = 32
+
+
+@dataclass
+class LaunchPlan:
+    """Launch groups (whatever the caller builds for them: indices into the items, tables) and the indices left to
+    torch's kernels, with what they were built from."""
+
+    groups: list[Any]
+    left: list[int]
+    held: list[tuple[weakref.ref | None, ...]]  # each item's addressed tensors other than its gradient
+    param_addresses: tuple[int, ...]
+    grad_addresses: tuple[int, ...]
+
+    def describes(self, items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | None, ...]]) -> bool:
+        """Whether the plan was built from these tensors, where they lie now."""
+        for item, refs in zip(items, self.held):
+            for tensor, ref in zip(addressed(item), refs):
+                if (None if ref is None else ref()) is not tensor:
+                    return False
+        return (tuple(item.param.data_ptr() for item in items) == self.param_addresses
+                and tuple(item.grad.data_ptr() for item in items) == self.grad_addresses
+                and all(item.grad.is_contiguous() for item in items))
+
+
+_plans: OrderedDict[tuple[int, ...], LaunchPlan] = OrderedDict()
+
+
+def launch_plan(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | None, ...]],
+                build: Callable[[Sequence[Any]], tuple[list[Any], list[int]]]) -> LaunchPlan:
+    """The plan for these items (each with `param` and `grad`; `addressed(item)`: the other tensors its table row
+    holds, or None for an absent one): the one kept from an earlier step if it still describes them, else
+    `build(items)`'s groups and left indices, kept for the next steps."""
+    key = tuple(id(item.param) for item in items)
+    plan = _plans.get(key)
+    if plan is not None and plan.describes(items, addressed):
+        _plans.move_to_end(key)
+        return plan
+    groups, left = build(items)
+    plan = LaunchPlan(groups, left,
+                      [tuple(None if tensor is None else weakref.ref(tensor) for tensor in addressed(item))
+                       for item in items],
+                      tuple(item.param.data_ptr() for item in items), tuple(item.grad.data_ptr() for item in items))
+    _plans[key] = plan
+    _plans.move_to_end(key)
+    while len(_plans) > MAX_PLANS:
+        _plans.popitem(last=False)
+    return plan
