@@ -421,7 +421,7 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
             raise
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
             _one_launch_fails(error, items[0].param.device)
-            return plan.left + _joined([group.indices for group in plan.groups[done:]])
+            return plan.left + _joined([pending.indices for pending in plan.groups[done:]])
         try:
             launch_counts_(tabulated, skipped)
         except Exception as error:  # noqa: BLE001 (as above; the update is written, so its counts move by torch's ops)
@@ -430,7 +430,7 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
             _count_steps_(taken, skipped)
             if group.stored is not None:
                 advance_counts_([item.rounding_count for item in taken], 1.0 - skipped)
-            return plan.left + _joined([group.indices for group in plan.groups[done + 1:]])
+            return plan.left + _joined([pending.indices for pending in plan.groups[done + 1:]])
     return plan.left
 
 
