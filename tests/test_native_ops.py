@@ -152,6 +152,26 @@ def test_nonfinite_grads_skip_their_tensor_only(path, dtype: torch.dtype) -> Non
         assert not torch.equal(buffers[i], before[i]) and not updates[i].eq(7.0).any()
 
 
+def test_nonfinite_grads_among_many_of_mixed_sizes_skip_their_tensor_only(path) -> None:
+    """More gradients than one launch of the GPU's check takes (64), empty ones among them, and one with more entries
+    than its blocks cover in one pass (1,048,576 on a GPU), each with a NaN or Inf or none at a random place."""
+    native, device = path
+    values = (None, float("nan"), None, float("inf"), None, float("-inf"))
+    sizes = [0 if seed % 17 == 5 else 1 + (seed * 37) % 300 for seed in range(150)]
+    sizes[100] = 1_100_001
+    grads = [_with_nonfinite((size,), torch.float32, device, values[seed % 6], seed) for seed, size in enumerate(sizes)]
+    grads[100].view(-1)[1_099_999] = float("nan")  # past the first pass of its blocks
+    buffers = [torch.ones(size, device=device) for size in sizes]
+    updates = [torch.full((size,), 7.0, device=device) for size in sizes]
+    expected = [float(torch.isfinite(grad).all()) for grad in grads]
+    assert expected.count(0.0) > 40 and expected.count(1.0) > 40
+    finite = native.muon_momentum_(buffers, grads, updates, 0.9, False)
+    assert finite.tolist() == expected
+    for buffer, update, flag in zip(buffers, updates, expected):
+        if flag == 0.0:
+            assert torch.equal(buffer, torch.ones_like(buffer)) and not update.any()
+
+
 def test_empty_list(path) -> None:
     native, _ = path
     finite = native.muon_momentum_([], [], [], 0.9, True)

@@ -1,5 +1,8 @@
-// Finite flags on the GPU for `muon_momentum_rounded_`'s first pass: all flags set to 1, then one grid-stride check
-// per tensor that clears its flag.
+// Finite flags on the GPU (`finite_flags_`, and the momentum ops' first pass): all flags set to 1, then a check that
+// clears the flag of each tensor holding a NaN or Inf, one launch per run of tensors of one dtype.
+#include <cstdint>
+#include <vector>
+
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,9 +17,21 @@ void finite_flags_cuda(at::TensorList tensors, const at::Tensor& finite) {
   float* flags = finite.mutable_data_ptr<float>();
   muon_cuda::launch_mark_all_finite(flags, finite.numel(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const muon_cuda::DType dtype = muon_cuda::launch_dtype(tensors[i].scalar_type(), "finite_flags_: tensors");
-    muon_cuda::launch_check_finite(tensors[i].const_data_ptr(), dtype, tensors[i].numel(), flags + i, stream);
+  std::vector<const void*> pointers;
+  std::vector<int64_t> numels;
+  for (size_t first = 0; first < tensors.size();) {
+    const auto scalar_type = tensors[first].scalar_type();
+    const muon_cuda::DType dtype = muon_cuda::launch_dtype(scalar_type, "finite_flags_: tensors");
+    pointers.clear();
+    numels.clear();
+    size_t end = first;
+    for (; end < tensors.size() && tensors[end].scalar_type() == scalar_type; ++end) {
+      pointers.push_back(tensors[end].const_data_ptr());
+      numels.push_back(tensors[end].numel());
+    }
+    muon_cuda::launch_check_finite(pointers.data(), numels.data(), static_cast<int64_t>(end - first), dtype,
+                                   flags + first, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    first = end;
   }
 }

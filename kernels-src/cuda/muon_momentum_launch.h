@@ -12,8 +12,10 @@ namespace muon_cuda {
 // flags[0..count) = 1: every gradient counts as finite until its check clears its flag.
 void launch_mark_all_finite(float* flags, int64_t count, cudaStream_t stream);
 
-// *flag = 0 when any of grad[0..numel) is NaN or +-Inf; otherwise *flag is left alone.
-void launch_check_finite(const void* grad, DType grad_dtype, int64_t numel, float* flag, cudaStream_t stream);
+// flags[t] = 0 when any of grads[t][0..numels[t]) is NaN or +-Inf; otherwise flags[t] is left alone. Every gradient
+// of grad_dtype; up to 64 of them a launch.
+void launch_check_finite(const void* const* grads, const int64_t* numels, int64_t count, DType grad_dtype,
+                         float* flags, cudaStream_t stream);
 
 // When *flag != 0: buffer <- lerp(buffer, grad, 1 - beta) and update <- nesterov ? lerp(grad, buffer, beta) : buffer.
 // When *flag == 0: buffer is untouched and update <- 0. The flag is read on the device, so no host sync is needed.
