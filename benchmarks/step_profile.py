@@ -98,7 +98,7 @@ def profile_step(step: Callable[[], None], device: torch.device) -> list[str]:
         lines += ["", "By kernel time:", "", "```",
                   averages.table(sort_by="self_cuda_time_total", row_limit=TOP // 2, max_name_column_width=60), "```"]
         # Which calls of an operator hold its kernel time (on the H100, two of the GPT-2-small step's 48 copy_ calls
-        # took 365 us of elementwise kernels, from where is not known).
+        # took 365 us of elementwise kernels, most likely baddbmm's transposing copies of the tall buckets).
         by_shape = trace.key_averages(group_by_input_shape=True)
         lines += ["", "Operators by kernel time and input shapes:", "", "```",
                   by_shape.table(sort_by="self_cuda_time_total", row_limit=TOP // 2, max_name_column_width=40,

@@ -181,6 +181,22 @@ def test_tall_is_wide_transposed(shape, dtype):
     assert torch.equal(zeropower(G.mT, 5, dtype=dtype), zeropower(G, 5, dtype=dtype).mT)
 
 
+@pytest.mark.parametrize(("dtype", "tolerance"),
+                         [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_a_tall_batch_without_buffers_iterates_on_its_row_major_transpose(monkeypatch, dtype, tolerance):
+    """Where no workspace serves (GPUs, compiled steps), a tall batch's a X + P X runs as a G + G P on G, the row-major
+    tall batch (no transposing copy into a row-major result), so the result lies row-major as the parameter does:
+    the numbers of the wide iteration, but for the products' roundings."""
+    monkeypatch.setattr(Workspace, "serves", staticmethod(lambda device: False))
+    G = random_matrix(4, 40, 24, dtype=dtype)
+    with CountMatrixProducts() as counter:
+        tall = zeropower(G, 5, dtype=dtype)
+    wide = zeropower(G.mT.contiguous(), 5, dtype=dtype)
+    assert tall.is_contiguous() and not wide.mT.is_contiguous()
+    assert counter.count == 3 * 5  # still one batched call per product
+    torch.testing.assert_close(tall.double(), wide.mT.double(), rtol=0, atol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
 def test_stacks_orthogonalized_in_one_workspace_are_zeropowers_results_in_their_layout(dtype, algorithm):
