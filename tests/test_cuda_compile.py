@@ -61,6 +61,58 @@ int main() {
 }
 """
 
+# A host program around the momentum op's finite check (muon_momentum.cu included): for batches of gradient sizes
+# (empty ones, one past a pass of its blocks, a full batch of 64), every block maps to a tensor that has blocks, and
+# the blocks' threads, striding as the kernel does, reach each entry of each tensor exactly once.
+CHECK_COVER_SOURCE = r"""
+#include "muon_momentum.cu"
+#include <cstdio>
+#include <vector>
+
+int main() {
+  using namespace muon_cuda;
+  std::vector<std::vector<int64_t>> cases = {{1}, {0}, {5, 0, 7}, {0, 0, 3}, {3, 0, 0}, {1048577, 1, 0, 300, 256}};
+  std::vector<int64_t> full;
+  for (int t = 0; t < kCheckBatch; ++t) full.push_back((t * 7919) % 3001);
+  cases.push_back(full);
+  long long failures = 0;
+  for (const auto& numels : cases) {
+    const int count = static_cast<int>(numels.size());
+    std::vector<const void*> grads(count, nullptr);
+    const CheckBatch batch = check_batch(grads.data(), numels.data(), count);
+    std::vector<std::vector<int>> reads(count);
+    for (int t = 0; t < count; ++t) reads[t].assign(numels[t], 0);
+    for (unsigned int block = 0; block < batch.first_block[count]; ++block) {
+      const int t = check_tensor(batch, count, block);
+      const int64_t blocks = batch.first_block[t + 1] - batch.first_block[t];
+      if (blocks == 0 || block < batch.first_block[t]) {
+        std::printf("block %u maps to tensor %d, whose blocks are [%u, %u)\n", block, t, batch.first_block[t],
+                    batch.first_block[t + 1]);
+        ++failures;
+        continue;
+      }
+      for (int thread = 0; thread < kThreads; ++thread) {
+        for (int64_t j = (block - batch.first_block[t]) * int64_t{kThreads} + thread; j < numels[t];
+             j += blocks * kThreads) {
+          ++reads[t][j];
+        }
+      }
+    }
+    for (int t = 0; t < count; ++t) {
+      for (int64_t j = 0; j < numels[t]; ++j) {
+        if (reads[t][j] != 1) {
+          std::printf("tensor %d entry %lld read %d times\n", t, static_cast<long long>(j), reads[t][j]);
+          ++failures;
+          break;
+        }
+      }
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+"""
+CHECK_COVER = "finite check cover program"
+
 
 @dataclass(frozen=True)
 class Compiled:
@@ -94,6 +146,10 @@ def compiled(build_tool: ModuleType, tmp_path_factory: pytest.TempPathFactory) -
     (objects / "tile_walk.cu").write_text(TILE_WALK_SOURCE)
     commands[TILE_WALK] = [build_tool.nvcc_path(), "-std=c++17", "-O2", "-arch=compute_80",
                            f"-I{gram_source.parent}", str(objects / "tile_walk.cu"), "-o", str(objects / "tile_walk")]
+    (objects / "check_cover.cu").write_text(CHECK_COVER_SOURCE)
+    commands[CHECK_COVER] = [build_tool.nvcc_path(), "-std=c++17", "-O2", "-arch=compute_80",
+                             f"-I{gram_source.parent}", str(objects / "check_cover.cu"), "-o",
+                             str(objects / "check_cover")]
 
     def run(command: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(command, cwd=build_tool.REPO_ROOT, capture_output=True, text=True)
@@ -159,3 +215,10 @@ def test_gram_tile_walk_visits_exactly_the_lower_triangle(compiled: Compiled) ->
     assert build.returncode == 0, build.stderr
     walk = subprocess.run([str(compiled.objects / "tile_walk")], capture_output=True, text=True, timeout=60)
     assert walk.returncode == 0, walk.stdout + walk.stderr
+
+
+def test_momentum_finite_check_reads_every_entry_of_every_gradient_once(compiled: Compiled) -> None:
+    build = compiled.results[CHECK_COVER]
+    assert build.returncode == 0, build.stderr
+    cover = subprocess.run([str(compiled.objects / "check_cover")], capture_output=True, text=True, timeout=60)
+    assert cover.returncode == 0, cover.stdout + cover.stderr

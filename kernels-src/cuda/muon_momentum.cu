@@ -28,12 +28,29 @@ struct CheckBatch {
   unsigned int first_block[kCheckBatch + 1];
 };
 
-template <typename T>
-__global__ void check_finite_kernel(CheckBatch batch, int count, float* __restrict__ flags) {
-  int tensor = 0;  // the block's tensor: a few dozen comparisons, where tensors with no block are passed over
-  while (tensor + 1 < count && batch.first_block[tensor + 1] <= blockIdx.x) {
+// The batch of the `count` gradients from `grads`, each given the blocks of a launch of its own (none when empty).
+CheckBatch check_batch(const void* const* grads, const int64_t* numels, int count) {
+  CheckBatch batch{};
+  for (int t = 0; t < count; ++t) {
+    batch.grads[t] = grads[t];
+    batch.numels[t] = numels[t];
+    batch.first_block[t + 1] = batch.first_block[t] + (numels[t] == 0 ? 0 : blocks_for(numels[t]));
+  }
+  return batch;
+}
+
+// The tensor block `block` of a check launch reads: a few dozen comparisons, which pass over tensors with no block.
+__host__ __device__ inline int check_tensor(const CheckBatch& batch, int count, unsigned int block) {
+  int tensor = 0;
+  while (tensor + 1 < count && batch.first_block[tensor + 1] <= block) {
     ++tensor;
   }
+  return tensor;
+}
+
+template <typename T>
+__global__ void check_finite_kernel(CheckBatch batch, int count, float* __restrict__ flags) {
+  const int tensor = check_tensor(batch, count, blockIdx.x);
   const T* grad = static_cast<const T*>(batch.grads[tensor]);
   const int64_t numel = batch.numels[tensor];
   const int64_t stride = static_cast<int64_t>(batch.first_block[tensor + 1] - batch.first_block[tensor]) * blockDim.x;
@@ -81,12 +98,7 @@ void launch_check_finite(const void* const* grads, const int64_t* numels, int64_
                          float* flags, cudaStream_t stream) {
   for (int64_t first = 0; first < count; first += kCheckBatch) {
     const int size = static_cast<int>(std::min<int64_t>(kCheckBatch, count - first));
-    CheckBatch batch{};
-    for (int t = 0; t < size; ++t) {
-      batch.grads[t] = grads[first + t];
-      batch.numels[t] = numels[first + t];
-      batch.first_block[t + 1] = batch.first_block[t] + (numels[first + t] == 0 ? 0 : blocks_for(numels[first + t]));
-    }
+    const CheckBatch batch = check_batch(grads + first, numels + first, size);
     if (batch.first_block[size] == 0) {
       continue;
     }
