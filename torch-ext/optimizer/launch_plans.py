@@ -2,8 +2,8 @@
 launch groups, with their address tables. Deciding that anew checks four tensors of every parameter and reads six
 addresses (GPT-2 small's 97 AdamW tensors: ~40% of the part's host time on a 2-core Xeon, where the part's host time
 is what keeps it at 0.49x of fused AdamW's speed on an H100). A plan is reused while it still describes the step's
-tensors: the same parameter and state tensor objects at the same addresses, and gradients at the addresses the
-tables hold, still contiguous (a gradient is a new tensor at each step, but the caching allocator usually hands
+tensors: the same parameter and state tensor objects, the parameters at the same addresses (`param.data` may be
+replaced), and gradients at the addresses the tables hold, still contiguous (a gradient is a new tensor at each step, but the caching allocator usually hands
 its block out again; the gradient setter keeps its shape and dtype those of the parameter).
 
 The plans are kept by the parameters' identities, a few at a time (one per call site: the AdamW tensors of each
@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import Tensor
 
-# Plans kept at once: enough for every launch group of a model's param groups and devices, or a step's offload
-# groups (GPT-2 small's AdamW state goes in 9 groups of up to 32 MiB).
+# Plans kept at once: one per call site, enough for the AdamW tensors of a model's param groups and devices (a step's
+# offload groups, whose state is fetched to new device copies each step, are rebuilt each time anyway).
 MAX_PLANS = 32
 
 
