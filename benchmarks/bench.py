@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -431,12 +432,8 @@ def _without_one_launch(optimizer, step: Callable[[], object]) -> Callable[[], N
     functional = importlib.import_module(f"{optimizer.__name__}.functional")
 
     def run() -> None:
-        served = functional.ONE_LAUNCH_DEVICE_TYPES
-        functional.ONE_LAUNCH_DEVICE_TYPES = ()
-        try:
+        with mock.patch.object(functional, "ONE_LAUNCH_DEVICE_TYPES", ()):
             step()
-        finally:
-            functional.ONE_LAUNCH_DEVICE_TYPES = served
     return run
 
 

@@ -13,6 +13,7 @@ import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -22,19 +23,12 @@ CAPS: dict[str, int | None] = {"2^22": 2**22, "2^24": 2**24, "2^25": 2**25, "who
 
 def _capped(functional, cap: int | None, device: torch.device, step: Callable[[], None]) -> Callable[[], None]:
     """The step with `cap` as its device type's chunk size (None: no chunks) while it runs."""
+    size = cap if cap is not None else 2**62
+
     def run() -> None:
-        saved_cpu, saved_gpu = dict(functional._BUCKET_NUMEL), functional._GPU_BUCKET_NUMEL
-        size = cap if cap is not None else 2**62
-        if device.type == "cpu":
-            functional._BUCKET_NUMEL["cpu"] = size
-        else:
-            functional._GPU_BUCKET_NUMEL = size
-        try:
+        with (mock.patch.dict(functional._BUCKET_NUMEL, cpu=size) if device.type == "cpu"
+              else mock.patch.object(functional, "_GPU_BUCKET_NUMEL", size)):
             step()
-        finally:
-            functional._BUCKET_NUMEL.clear()
-            functional._BUCKET_NUMEL.update(saved_cpu)
-            functional._GPU_BUCKET_NUMEL = saved_gpu
     return run
 
 

@@ -1,11 +1,12 @@
 """Where one optimizer step's time goes, ours beside torch's, on GPT-2 small's parameters (its 48 hidden matrices to
 Muon, its vectors and token embedding to AdamW), on the MNIST MLP 784-256-256-10's (3 matrices, 3 biases), whose
-step is all host work on a GPU (the H100, 2026-11-26: 2.23 ms against torch's 1.28), and on one Llama-3-8B layer's
+step is mostly host work on a GPU (an H100, 2026-11-26: 2.23 ms against torch's 1.28 in the morning, 2.09 against
+2.13 later), and on one Llama-3-8B layer's
 (on a GPU): torch.profiler over the third step of each (the first creates the state, the second warms the caches),
 with the count of operators and of kernel launches, and each one's costliest operators by host time and, on a GPU,
 by kernel time. Ours runs with the defaults, and on GPT-2 small also with moments stored rounded and offloaded (the
-rows that missed issue 12's targets on the H100: 1.32x, 1.42x and 4.4x the default step's time), and on the Llama
-layer also compiled (0.94x of torch's speed there, against 1.20x eager). GPT-2 small's AdamW part alone (its 97
+rows that missed issue 12's targets on the H100: 1.25x, 1.34x and 5.0x the default step's time), and on the Llama
+layer also compiled (1.15x of torch's speed there, against 1.31x eager). GPT-2 small's AdamW part alone (its 97
 vectors and embedding: 0.49x of fused AdamW's speed on the H100, host-bound) is profiled too. Each step of ours also
 gets a table of its Python functions by cumulative time (cProfile over PYTHON_STEPS steps), the host work to shrink.
 
@@ -57,7 +58,8 @@ def _steps(optimizer, device: torch.device) -> dict[str, Callable[[], None]]:
         return step
 
     steps = {}
-    _, adamw_params = bench._step_params(device, *models["GPT-2 small"])
+    _, adamw_params = bench._step_params(device, [], bench.GPT2_SMALL_VECTORS, bench.GPT2_BLOCKS,
+                                         [bench.GPT2_EMBEDDING])
     steps["GPT-2 small's AdamW part: torch.optim.AdamW(fused=True)"] = torch.optim.AdamW(
         adamw_params, lr=0.02, betas=(0.9, 0.95), fused=True).step
     steps[f"GPT-2 small's AdamW part: {ours}"] = optimizer.Muon([dict(params=adamw_params, use_muon=False)],
