@@ -41,5 +41,6 @@ def recorded_offload(log: list[str]) -> Iterator[None]:
     """Every item's state treated as offloaded (as on a GPU, whose parameters' state lives on the host), staged
     through a RecordingCopier that writes to `log`."""
     with mock.patch.object(offload_module, "offloaded", lambda item: True), \
+            mock.patch.object(offload_module, "any_offloaded", lambda items: bool(items)), \
             mock.patch.object(offload_module, "CudaCopier", lambda device: RecordingCopier(log)):
         yield

@@ -77,6 +77,26 @@ def test_adamw_groups_fill_the_byte_budget_in_order_and_a_larger_parameter_goes_
     assert [[item.size for item in group] for group in groups] == [[3, 4, 1], [10], [2, 0, 5]]
 
 
+@pytest.mark.parametrize("kind", ["muon", "adamw"])
+def test_an_item_is_offloaded_when_its_first_moment_lives_away_from_its_parameter(kind: str) -> None:
+    """The step's one-pass check against the item-by-item one, with a "meta" tensor standing for state elsewhere:
+    parameters on one device and on two, each item at home or away."""
+    functional = sys.modules[offload_module.__name__.rsplit(".", 1)[0] + ".functional"]
+
+    def item(param_device: str, moment_device: str):
+        param, moment = torch.zeros(2, 2, device=param_device), torch.zeros(2, 2, device=moment_device)
+        if kind == "muon":
+            return functional.MuonTensors(param, param, moment, param, None)
+        return functional.AdamWTensors(param, param, moment, moment, param, param)
+
+    for devices in [[("cpu", "cpu")] * 3, [("cpu", "cpu"), ("cpu", "meta"), ("cpu", "cpu")], [("meta", "meta")],
+                    [("cpu", "cpu"), ("meta", "meta")], [("cpu", "meta"), ("meta", "meta")],
+                    [("cpu", "cpu"), ("meta", "cpu")], []]:
+        items = [item(*pair) for pair in devices]
+        expected = any(param_device != moment_device for param_device, moment_device in devices)
+        assert offload_module.any_offloaded(items) is expected, devices
+
+
 def test_a_groups_device_copies_are_aligned_disjoint_views_of_one_allocation() -> None:
     """The CUDA copier's copies (made here on the CPU): each of its state tensor's shape and dtype, contiguous, from a
     16-byte boundary as the one-launch kernels need, none overlapping another, and all in one allocation."""

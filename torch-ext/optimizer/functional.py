@@ -10,6 +10,7 @@ layer.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -474,11 +475,11 @@ def _launch_groups(items: Sequence[AdamWTensors]) -> tuple[list[_LaunchGroup], l
     return launches, left
 
 
-def _addressed(item: AdamWTensors) -> tuple[Tensor | None, ...]:
-    """What an item's launch group depends on besides its gradient: the tensors its table row holds, and the
-    positions that keep a shard out of the rounded launch."""
-    return (item.param, item.exp_avg, item.exp_avg_sq, item.step, item.nonfinite_skips, item.rounding_count,
-            item.exp_avg_scales, item.exp_avg_sq_scales, item.rounding_positions)
+# What an item's launch group depends on besides its gradient: the tensors its table row holds, and the positions that
+# keep a shard out of the rounded launch (a getter of C: a plan's check asks it of every item every step).
+_addressed: Callable[[AdamWTensors], tuple[Tensor | None, ...]] = operator.attrgetter(
+    "param", "exp_avg", "exp_avg_sq", "step", "nonfinite_skips", "rounding_count", "exp_avg_scales",
+    "exp_avg_sq_scales", "rounding_positions")
 
 
 def _joined(groups: Sequence[list[int]]) -> list[int]:
@@ -585,6 +586,9 @@ def _fused_adamw_taken_(items: Sequence[AdamWTensors], skipped: Sequence[float],
 
 def by_device(items: Sequence[AdamWTensors]) -> dict[torch.device, list[AdamWTensors]]:
     """The parameters grouped by device, in order: each group's flags live on its device."""
+    devices = {item.param.device for item in items}
+    if len(devices) == 1:  # the usual case, without a list per item
+        return {devices.pop(): list(items)}
     groups: dict[torch.device, list[AdamWTensors]] = {}
     for item in items:
         groups.setdefault(item.param.device, []).append(item)

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from .clipping import (CheckedGradients, check_max_norm, clip_by_tensor_norms_, clip_grad_norm_, reads_once,
                        tensor_norms_serve)
 from .coefficients import Coefficients, resolve_coefficients
-from .distributed.dtensors import (is_dtensor, local_or_none, local_tensor, placed_like, splits_last_dim,
+from .distributed.dtensors import (any_dtensor, is_dtensor, local_or_none, local_tensor, placed_like, splits_last_dim,
                                   zeros_like_resized)
 from .distributed.finite import found_inf_flags
 from .distributed.layout import shard_positions
@@ -30,7 +30,7 @@ from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
 from .offload import OFFLOAD_TARGETS, home_device, keep_at_home, staged_adamw_update, staged_muon_update
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
-from .routing import CONV_MODES, PARAM_LAYOUTS, check_forced_muon, matrix_view, suits_muon
+from .routing import CONV_MODES, PARAM_LAYOUTS, MatrixView, check_forced_muon, muon_view
 from .state_precision import (MOMENT_KEYS, STATE_DTYPES, is_quantized, rounds_stochastically, scale_key, scales_shape,
                               store_, stored_dtype, working_copy)
 from .workspace import Workspace
@@ -234,6 +234,9 @@ _SCALE_STATE_KEYS = tuple(scale_key(key) for key in MOMENT_KEYS)
 _MOMENTUM_SCALES, _EXP_AVG_SCALES, _EXP_AVG_SQ_SCALES = _SCALE_STATE_KEYS  # in MOMENT_KEYS' order
 _MOMENT_STATE_KEYS = (*MOMENT_KEYS, *_SCALE_STATE_KEYS)
 _ADAMW_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # created together, so saved together
+# Each part's moments, each with the key of its 8-bit codes' scales (formed once: a step asks for them per parameter).
+_MUON_MOMENTS = (("momentum_buffer", _MOMENTUM_SCALES),)
+_ADAMW_MOMENTS = (("exp_avg", _EXP_AVG_SCALES), ("exp_avg_sq", _EXP_AVG_SQ_SCALES))
 
 
 def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
@@ -272,28 +275,38 @@ def _moment_form(param: Tensor, state_dtype: torch.dtype | str | None) -> tuple[
     return stored_dtype(param.dtype, state_dtype), is_quantized(state_dtype)
 
 
-def _keep_moments(state: dict[str, Any], param: Tensor, keys: tuple[str, ...], form: tuple[torch.dtype, bool],
-                  rounding_count: Tensor | None) -> None:
-    """The moments `keys` in `form` (see `_moment_form`): created as zeros, or converted from another form (the
-    group's state_dtype was changed, or a checkpoint saved under another one or another sharding was loaded)."""
+def _keep_moments(state: dict[str, Any], param: Tensor, moments: tuple[tuple[str, str], ...],
+                  form: tuple[torch.dtype, bool], rounding_count: Tensor | None) -> None:
+    """The `moments` (each key with its scales' key) in `form` (see `_moment_form`): created as zeros, or converted
+    from another form (the group's state_dtype was changed, or a checkpoint saved under another one or another sharding
+    was loaded)."""
     dtype, quantized = form
-    for key in keys:
-        if key in state and state[key].dtype == dtype and (scale_key(key) in state) == quantized:
+    for key, scales_key in moments:
+        moment = state.get(key)
+        if moment is not None and moment.dtype == dtype and (scales_key in state) == quantized:
             continue
-        scales = state.pop(scale_key(key), None)
+        scales = state.pop(scales_key, None)
         previous = None
         if key in state:
             previous = working_copy(key, local_tensor(state[key]), local_or_none(scales))
         state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
         if quantized:
-            state[scale_key(key)] = zeros_like_resized(param, scales_shape(param.shape), torch.float32)
+            state[scales_key] = zeros_like_resized(param, scales_shape(param.shape), torch.float32)
         if previous is None:
             continue
         if quantized:
-            store_([key], [local_tensor(state[key])], [local_tensor(state[scale_key(key)])], [previous],
+            store_([key], [local_tensor(state[key])], [local_tensor(state[scales_key])], [previous],
                    [rounding_count], torch.ones(1, device=previous.device), [shard_positions(param)])
         else:
             local_tensor(state[key]).copy_(previous)
+
+
+def _view(group: dict[str, Any], param: Tensor) -> MatrixView | None:
+    """The matrix view Muon steps `param` in under its group's routing options, or None where AdamW steps it."""
+    use_muon = group["use_muon"]
+    if use_muon is False:
+        return None
+    return muon_view(param.shape, use_muon, group["param_layout"], group["conv_mode"])
 
 
 def _local_adamw_item(item: AdamWTensors) -> AdamWTensors:
@@ -499,15 +512,15 @@ class Muon(Optimizer):
         """timm's `verbose`: where each parameter of a new group goes, and why (logged at INFO)."""
         names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
         for name, param in zip(names, group["params"]):
-            uses_muon = self._uses_muon(group, param)
+            view = _view(group, param)
             if group["use_muon"] is not None:
                 reason = f"use_muon={group['use_muon']} in its group"
-            elif uses_muon:
-                view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
+            elif view is not None:
                 reason = f"{view.batch} matrix(es) of {view.rows}x{view.cols}"
             else:
                 reason = "not a matrix Muon trains (fewer than 2 dimensions, a side below 2, or aspect ratio > 128)"
-            logger.info("parameter %s %s -> %s: %s", name, tuple(param.shape), "Muon" if uses_muon else "AdamW", reason)
+            logger.info("parameter %s %s -> %s: %s", name, tuple(param.shape), "AdamW" if view is None else "Muon",
+                        reason)
 
     def __repr__(self) -> str:
         """torch's listing of the groups, then what ns_dtype=None resolves to on each device, and why."""
@@ -523,9 +536,7 @@ class Muon(Optimizer):
                 for name, param in zip(group.get("param_names") or (), group["params"])}
 
     def _uses_muon(self, group: dict[str, Any], param: Tensor) -> bool:
-        if group["use_muon"] is not None:
-            return group["use_muon"]
-        return suits_muon(param.shape, group["param_layout"], group["conv_mode"])
+        return _view(group, param) is not None
 
     @staticmethod
     def _adamw_lr(group: dict[str, Any]) -> float | Tensor:
@@ -538,12 +549,11 @@ class Muon(Optimizer):
         _validate_group(group, at_step=True)
         for param in group["params"]:
             grad = param.grad
-            if grad is None:
+            if grad is None or not (grad.is_sparse or grad.is_complex() or param.is_complex()):
                 continue
             if grad.is_sparse:
                 raise RuntimeError(f"Muon does not support sparse gradients (parameter of shape {tuple(param.shape)})")
-            if torch.is_complex(param) or torch.is_complex(grad):
-                raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
+            raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
 
     def _graph_capture_health_check(self) -> None:
         """torch's check that a captured step has capturable=True in every group, under its current name: the older
@@ -560,10 +570,10 @@ class Muon(Optimizer):
         if group["normalization"] is None:
             return
         for param in group["params"]:
-            if param.grad is None or not self._uses_muon(group, param):
+            view = _view(group, param)
+            if param.grad is None or view is None:
                 continue
             saved = self.state[param].get("update_sq")
-            view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
             expected = second_moment_shape(param.shape, view, group["normalization"])
             if saved is not None and tuple(saved.shape) != expected:
                 raise ValueError(f"Invalid normalization: {group['normalization']!r} needs a second moment of shape "
@@ -581,35 +591,37 @@ class Muon(Optimizer):
         self._check_normalization_state(group)
         for param in group["params"]:
             if param.grad is not None:
-                self._prepared_state(group, param, self._uses_muon(group, param))
+                self._prepared_state(group, param, _view(group, param))
 
     def _gather(self, group: dict[str, Any]) -> tuple[list[MuonTensors], list[AdamWTensors]]:
         """The group's parameters with gradients, with their state (made ready by `_init_group`)."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
         rounds = rounds_stochastically(group["state_dtype"])
+        normalized = group["normalization"] is not None
         for param in group["params"]:
-            if param.grad is None:
+            grad = param.grad
+            if grad is None:
                 continue
-            uses_muon = self._uses_muon(group, param)
+            view = _view(group, param)
             state = self.state[param]
             rounding_count = state.get("rounding_count") if rounds else None
-            if uses_muon:
-                item = MuonTensors(param, param.grad, state["momentum_buffer"], state["nonfinite_skips"],
-                                   matrix_view(param.shape, group["param_layout"], group["conv_mode"]),
+            if view is not None:
+                item = MuonTensors(param, grad, state["momentum_buffer"], state["nonfinite_skips"], view,
                                    rounding_count=rounding_count, momentum_scales=state.get(_MOMENTUM_SCALES))
-                if group["normalization"] is not None:
+                if normalized:
                     item.second_moment, item.update_step = state["update_sq"], state["update_step"]
                 muon_items.append(item)
             else:
-                adamw_items.append(AdamWTensors(param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                adamw_items.append(AdamWTensors(param, grad, state["exp_avg"], state["exp_avg_sq"],
                                                 state["step"], state["nonfinite_skips"], rounding_count,
                                                 state.get(_EXP_AVG_SCALES), state.get(_EXP_AVG_SQ_SCALES)))
         return muon_items, adamw_items
 
-    def _prepared_state(self, group: dict[str, Any], param: Tensor, uses_muon: bool) -> dict[str, Any]:
-        """A parameter's state as this step needs it: created where missing, its moments in the group's state_dtype,
-        and with offload, the moments in pinned host memory (where they are created or loaded, on its device)."""
+    def _prepared_state(self, group: dict[str, Any], param: Tensor, view: MatrixView | None) -> None:
+        """A parameter's state as this step needs it (`view`: its matrix view if Muon steps it, None for AdamW): created
+        where missing, its moments in the group's state_dtype, and with offload, the moments in pinned host memory
+        (where they are created or loaded, on its device)."""
         state = self.state[param]
         if "nonfinite_skips" not in state:
             state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64, device=param.device)
@@ -619,20 +631,18 @@ class Muon(Optimizer):
                 state["rounding_count"] = torch.zeros((), dtype=torch.int64, device=param.device)
             rounding_count = state["rounding_count"]
         form = _moment_form(param, group["state_dtype"])
-        if uses_muon:
-            _keep_moments(state, param, ("momentum_buffer",), form, rounding_count)
+        if view is not None:
+            _keep_moments(state, param, _MUON_MOMENTS, form, rounding_count)
             if group["normalization"] is not None and "update_sq" not in state:
-                view = matrix_view(param.shape, group["param_layout"], group["conv_mode"])
                 state["update_sq"] = zeros_like_resized(
                     param, second_moment_shape(param.shape, view, group["normalization"]), moment_dtype(param.dtype))
                 state["update_step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         else:
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            _keep_moments(state, param, ("exp_avg", "exp_avg_sq"), form, rounding_count)
+            _keep_moments(state, param, _ADAMW_MOMENTS, form, rounding_count)
         if self.offload is not None:
             keep_at_home(state, home_device(param, self.offload))
-        return state
 
     def _muon_step(self, group: dict[str, Any], items: list[MuonTensors]) -> None:
         if not items:
@@ -677,10 +687,13 @@ class Muon(Optimizer):
             # The update is elementwise: each rank runs it on its own shards, as plain tensors.
             checked = self._checked_gradients
             grads = [item.grad for item in device_items]
+            spread = any_dtensor(grads)
             found_inf = None if checked is None else checked.found_inf([item.param for item in device_items])
-            if found_inf is None and any(is_dtensor(grad) for grad in grads):
+            if found_inf is None and spread:
                 found_inf = found_inf_flags(grads)
-            staged_adamw_update([_local_adamw_item(item) for item in device_items], found_inf, **settings)
+            if spread:
+                device_items = [_local_adamw_item(item) for item in device_items]
+            staged_adamw_update(device_items, found_inf, **settings)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,

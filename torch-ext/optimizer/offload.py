@@ -54,11 +54,23 @@ def keep_at_home(state: dict[str, Any], home: torch.device) -> None:
             state[key] = torch.empty_like(state[key], device=home, pin_memory=pin).copy_(state[key])
 
 
+def any_offloaded(items: Sequence[MuonTensors | AdamWTensors]) -> bool:
+    """Whether some item's state lives away from its parameter (`offloaded`); for items on one device, told by the
+    set of their first moments' devices (asked of every parameter every step: a call per item took twice as long)."""
+    homes = {item.param.device for item in items}
+    if len(homes) != 1:
+        return any(offloaded(item) for item in items)
+    return {_first_moment(item).device for item in items} != homes
+
+
 def offloaded(item: MuonTensors | AdamWTensors) -> bool:
     """Whether an item's state lives away from its parameter. `keep_at_home` moves all of it together, so the first
     moment tells (asked of every parameter every step: one device comparison, not one per field)."""
-    moment = item.momentum_buffer if isinstance(item, MuonTensors) else item.exp_avg
-    return moment.device != item.param.device
+    return _first_moment(item).device != item.param.device
+
+
+def _first_moment(item: MuonTensors | AdamWTensors) -> Tensor:
+    return item.momentum_buffer if isinstance(item, MuonTensors) else item.exp_avg
 
 
 class Copier(Protocol):
@@ -146,7 +158,7 @@ def _record_stream(copies: Sequence[Tensor], stream: torch.cuda.Stream) -> None:
 def staged_muon_update(items: list[MuonTensors], **settings: Any) -> None:
     """`muon_update`, or with offloaded state, one bucket at a time with its state streamed to the parameters' GPU a
     bucket ahead."""
-    if not any(offloaded(item) for item in items):
+    if not any_offloaded(items):
         muon_update(items, **settings)
         return
     for device, device_items in by_device(items).items():
@@ -157,7 +169,7 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, **s
     """`adamw_update` of one device's items (found_inf None: their gradients not checked yet), or with offloaded
     state, a group of parameters at a time (`adamw_groups`) with its state streamed a group ahead; `run_staged`
     updates the groups in order, so each takes the next of the flags."""
-    if not any(offloaded(item) for item in items):
+    if not any_offloaded(items):
         adamw_update(items, found_inf, **settings)
         return
     if found_inf is None:

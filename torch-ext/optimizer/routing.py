@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -79,6 +80,25 @@ def suits_muon(shape: torch.Size, layout: str = "auto", conv_mode: str = "flatte
     view = matrix_view(shape, layout, conv_mode)
     short, long = min(view.rows, view.cols), max(view.rows, view.cols)  # not sorted(): dynamo cannot sort SymInts
     return short >= 2 and long <= MAX_ASPECT_RATIO * short
+
+
+def muon_view(shape: torch.Size, use_muon: bool | None, layout: str = "auto",
+              conv_mode: str = "flatten") -> MatrixView | None:
+    """The matrix view Muon steps a parameter of `shape` in, or None where AdamW steps it: a group's `use_muon`,
+    else `suits_muon`. Kept per shape and options outside torch.compile (whose tracer warns on a cached function):
+    a step asks it of every parameter twice, and working it out took ~1 µs each on a 2-core Xeon."""
+    if torch.compiler.is_compiling():
+        return _muon_view(shape, use_muon, layout, conv_mode)
+    return _kept_muon_view(shape, use_muon, layout, conv_mode)
+
+
+def _muon_view(shape: torch.Size, use_muon: bool | None, layout: str, conv_mode: str) -> MatrixView | None:
+    if use_muon is False or (use_muon is None and not suits_muon(shape, layout, conv_mode)):
+        return None
+    return matrix_view(shape, layout, conv_mode)
+
+
+_kept_muon_view = functools.lru_cache(maxsize=4096)(_muon_view)
 
 
 def check_forced_muon(name: str, shape: torch.Size) -> None:

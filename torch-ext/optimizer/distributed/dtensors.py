@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -18,6 +18,12 @@ except ImportError:  # a torch built without distributed support
 
 def is_dtensor(tensor: Tensor) -> bool:
     return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def any_dtensor(tensors: Iterable[Tensor]) -> bool:
+    """Whether any of the tensors is a DTensor, from their types, each asked once (a step asks this of every gradient
+    and parameter)."""
+    return DTensor is not None and any(issubclass(kind, DTensor) for kind in {type(tensor) for tensor in tensors})
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
