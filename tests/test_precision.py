@@ -129,18 +129,40 @@ def test_other_accelerators_get_bfloat16() -> None:
 
 
 def test_the_step_runs_newton_schulz_in_the_chosen_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    # With bf16 units faked, ns_dtype=None must give exactly what an explicit bfloat16 gives, and differ from fp32.
+    # With bf16 units faked, ns_dtype=None must give exactly what an explicit bfloat16 gives on a stack of two
+    # matrices, and differ from fp32; a lone small matrix runs in float32 (`matrix_ns_dtype`).
     fake_cpu(monkeypatch, "avx512_bf16")
     results = {}
-    for ns_dtype in (None, torch.bfloat16, torch.float32):
-        param = torch.zeros(16, 24)
-        param.grad = torch.randn(16, 24, generator=torch.Generator().manual_seed(0))
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # bf16 is fast on this (faked) CPU: no warning
-            optimizer.Muon([param], lr=0.1, weight_decay=0.0, ns_dtype=ns_dtype).step()
-        results[ns_dtype] = param
-    assert torch.equal(results[None], results[torch.bfloat16])
-    assert not torch.equal(results[None], results[torch.float32])
+    for shapes in ([(16, 24), (16, 24)], [(16, 24)]):
+        for ns_dtype in (None, torch.bfloat16, torch.float32):
+            params = [torch.zeros(shape) for shape in shapes]
+            generator = torch.Generator().manual_seed(0)
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # bf16 is fast on this (faked) CPU: no warning
+                optimizer.Muon(params, lr=0.1, weight_decay=0.0, ns_dtype=ns_dtype).step()
+            results[len(shapes), ns_dtype] = torch.cat(params)
+    assert torch.equal(results[2, None], results[2, torch.bfloat16])
+    assert not torch.equal(results[2, None], results[2, torch.float32])
+    assert torch.equal(results[1, None], results[1, torch.float32])
+    assert not torch.equal(results[1, None], results[1, torch.bfloat16])
+
+
+@pytest.mark.parametrize("default, device, shape, expected", [
+    (torch.bfloat16, "cpu", (10, 256), torch.float32),  # the MNIST MLP's classifier
+    (torch.bfloat16, "cpu", (1, 10, 256), torch.float32),  # an optimizer's bucket of one
+    (torch.bfloat16, "cpu", (2, 10, 256), torch.bfloat16),  # a stack: one batched call for both
+    (torch.bfloat16, "cpu", (203, 203), torch.float32),  # 3 * 203^3 multiply-adds a step: under 3 * 2^23
+    (torch.bfloat16, "cpu", (204, 204), torch.bfloat16),  # over
+    (torch.bfloat16, "cpu", (256, 784), torch.bfloat16),
+    (torch.float32, "cpu", (10, 256), torch.float32),
+    (torch.bfloat16, "cuda", (10, 256), torch.bfloat16),
+    (torch.float16, "cuda", (10, 256), torch.float16),
+])
+def test_a_lone_small_matrix_iterates_in_float32_on_a_cpu(default: torch.dtype, device: str, shape: tuple[int, ...],
+                                                          expected: torch.dtype) -> None:
+    assert precision.matrix_ns_dtype(default, torch.device(device), shape) == expected
 
 
 @pytest.mark.parametrize("dtype, units, warns", [
@@ -180,11 +202,13 @@ def test_repr_says_what_none_resolves_to_and_why(monkeypatch: pytest.MonkeyPatch
     assert "ns_dtype=None" not in repr(optimizer.Muon([torch.randn(4, 4)], ns_dtype=torch.float32))
 
 
-@pytest.mark.parametrize("units, expected", [(("avx512_bf16",), torch.bfloat16), ((), torch.float32)])
+@pytest.mark.parametrize("units, shape, expected", [
+    (("avx512_bf16",), (2, 24, 40), torch.bfloat16), (("avx512_bf16",), (24, 40), torch.float32),
+    ((), (2, 24, 40), torch.float32)])
 def test_zeropower_without_a_dtype_runs_in_the_default(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...],
-                                                       expected: torch.dtype) -> None:
+                                                       shape: tuple[int, ...], expected: torch.dtype) -> None:
     # The bf16 default's accuracy against the SVD polar factor is the explicit bf16 path's, bounded in
     # test_newton_schulz.py (test_polar_express_in_low_precision_stays_near_the_polar_factor), the GPU bf16 bound.
     fake_cpu(monkeypatch, *units)
-    G = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     assert torch.equal(optimizer.zeropower(G), optimizer.zeropower(G, dtype=expected))

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import native
 from .launch_plans import launch_plan
-from .newton_schulz import Orthogonalizer
+from .newton_schulz import Orthogonalizer, staging_dtype
 from .normalization import normalize, rms_rule_scale, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
@@ -251,13 +251,20 @@ def _momentum_into(buckets: Sequence[list[MuonTensors]], stacks: Sequence[Tensor
     return finite
 
 
-def _stacks(buckets: Sequence[list[MuonTensors]], workspace: Workspace, dtype: torch.dtype,
+def _stacks(buckets: Sequence[list[MuonTensors]], workspace: Workspace, orthogonalizer: Orthogonalizer,
             device: torch.device) -> list[Tensor]:
-    """Each bucket's (batch, rows, cols) stack, one after the other in the workspace's block "stack"."""
+    """Each bucket's (batch, rows, cols) stack in the dtype its iteration is staged in, those of a dtype one after the
+    other in the workspace's block for it."""
     shapes = [_stack_shape(bucket) for bucket in buckets]
-    sizes = [math.prod(shape) for shape in shapes]
-    block = workspace.tensor("stack", (sum(sizes),), dtype, device)
-    return [part.view(shape) for part, shape in zip(block.split(sizes), shapes)]
+    dtypes = [staging_dtype(orthogonalizer.stack_dtype(shape, device)) for shape in shapes]
+    stacks: list[Tensor] = [None] * len(buckets)  # type: ignore[list-item] (each filled below)
+    for dtype in dict.fromkeys(dtypes):
+        members = [index for index, other in enumerate(dtypes) if other == dtype]
+        sizes = [math.prod(shapes[index]) for index in members]
+        block = workspace.tensor(f"stack {dtype}", (sum(sizes),), dtype, device)
+        for index, part in zip(members, block.split(sizes)):
+            stacks[index] = part.view(shapes[index])
+    return stacks
 
 
 def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
@@ -271,7 +278,7 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
     for round_buckets in _rounds(buckets(items)):
         round_items = [item for bucket in round_buckets for item in bucket]
         device = round_items[0].param.device
-        stacks = _stacks(round_buckets, workspace, orthogonalizer.staging_dtype, device)
+        stacks = _stacks(round_buckets, workspace, orthogonalizer, device)
         finite = _momentum_into(round_buckets, stacks, momentum, nesterov)
         # A skipped parameter's momentum step wrote zeros, and Newton-Schulz maps zero to exactly zero (the norm is
         # clamped, and each matrix of the batch is independent), so its update below adds exactly nothing.

@@ -359,7 +359,8 @@ class Muon(Optimizer):
         adjust_lr_fn: "match_rms_adamw" (0.2 * sqrt(max(out, in))), "original" (sqrt(max(1, out / in))),
             "spectral" (sqrt(out / in); timm's "rms_to_rms"), "rsqrt_in" (1 / sqrt(in)) or None (no scaling).
         ns_dtype: Newton-Schulz compute dtype; None is what the device multiplies fastest (`default_ns_dtype`):
-            bfloat16 on GPUs and on CPUs with bf16 matrix instructions, float32 on other CPUs.
+            bfloat16 on GPUs and on CPUs with fast bf16 products (AMX; AVX512-BF16 on AMD cores), float32 on other
+            CPUs, and on those, for a lone matrix under 2^23 multiply-adds a product (`matrix_ns_dtype`).
         ns_algorithm: "standard" (three products of the matrix's size per step), "gram" (the same polynomial
             applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices in float32) or "auto" (per
             shape, "gram" where it takes fewer FLOPs, from an aspect ratio of about 1.5, and the iteration is
@@ -650,7 +651,8 @@ class Muon(Optimizer):
         orthogonalizer = Orthogonalizer(
             tuple(resolve_coefficients(group["ns_coefficients"], group["ns_steps"], group["preconditioner"])),
             _as_real(group["eps"]), group["ns_dtype"] or default_ns_dtype(items[0].param.device),
-            group["ns_algorithm"], group["preconditioner"], _as_real(group["safety_factor"]), group["scale_eps"])
+            group["ns_algorithm"], group["preconditioner"], _as_real(group["safety_factor"]), group["scale_eps"],
+            dtype_is_default=group["ns_dtype"] is None)
         settings = dict(lr=_learning_rate(group["lr"]), weight_decay=_as_real(group["weight_decay"]),
                         momentum=_as_real(group["momentum"]), nesterov=group["nesterov"],
                         orthogonalizer=orthogonalizer, adjust_lr_fn=group["adjust_lr_fn"],

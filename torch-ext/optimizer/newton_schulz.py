@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
 from .dispatch import check_backend, kernel_choice, matmul, resolve_backend, symmetric_gram, symmetric_polynomial
-from .precision import default_ns_dtype
+from .precision import default_ns_dtype, matrix_ns_dtype
 from .workspace import Workspace
 
 NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram", "auto")
@@ -32,7 +32,8 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
               algorithm: str = "standard", preconditioner: str | None = None, safety_factor: float = 1.0,
               scale_eps: bool = False) -> Tensor:
     """Approximate U V^T for a matrix (m, n) or for each matrix of a batch (B, m, n), computed in `dtype` (None: the
-    dtype G's device multiplies fastest in, `default_ns_dtype(G.device)`).
+    dtype G's device multiplies fastest in, `default_ns_dtype(G.device)`, or for a lone small matrix on a CPU the one
+    `matrix_ns_dtype` says, as the optimizer's ns_dtype=None does).
 
     `coefficients` is a preset name ("original", "quintic", "polar_express") or a sequence of (a, b, c)
     triples, one per step (the last repeats). `backend` ("torch", "cpu", "cuda", "triton") forces the kernel for
@@ -48,7 +49,7 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
         raise ValueError(f"Invalid steps: {steps!r} (expected an integer in [1, {_MAX_STEPS}]; each step costs "
                          "three matrix products and no schedule improves past about ten)")
     if dtype is None:
-        dtype = default_ns_dtype(G.device)
+        dtype = matrix_ns_dtype(default_ns_dtype(G.device), G.device, G.shape)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"Invalid dtype: {dtype!r} (expected None or a floating torch.dtype)")
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
@@ -89,15 +90,24 @@ class Orthogonalizer:
     preconditioner: str | None = None
     safety_factor: float = 1.0
     scale_eps: bool = False
+    # Whether `dtype` is what ns_dtype=None resolved to, which a lone small matrix on a CPU trades for float32
+    # (`matrix_ns_dtype`); an explicit ns_dtype holds for every stack.
+    dtype_is_default: bool = False
 
     @property
     def staging_dtype(self) -> torch.dtype:
         return staging_dtype(self.dtype)
 
+    def stack_dtype(self, shape: Sequence[int], device: torch.device) -> torch.dtype:
+        """The dtype a stack of `shape` on `device` iterates in: `dtype`, or what `matrix_ns_dtype` makes of it."""
+        return matrix_ns_dtype(self.dtype, device, shape) if self.dtype_is_default else self.dtype
+
     def __call__(self, matrices: Tensor, workspace: Workspace | None = None) -> Tensor:
         """The orthogonalized stack. `matrices` is the caller's temporary: it is overwritten. With a `workspace`, the
         result may live in its blocks."""
-        return newton_schulz(matrices, self.coefficients, self.eps, dtype=self.dtype, algorithm=self.algorithm,
+        return newton_schulz(matrices, self.coefficients, self.eps, dtype=self.stack_dtype(matrices.shape,
+                                                                                           matrices.device),
+                             algorithm=self.algorithm,
                              preconditioner=self.preconditioner, safety_factor=self.safety_factor,
                              scale_eps=self.scale_eps, overwrite_input=True, workspace=workspace)
 

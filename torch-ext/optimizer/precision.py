@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -99,16 +100,21 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
 
 
+_SMALL_MATRICES = ("; a lone matrix of fewer than 2^23 multiply-adds a product runs in float32, faster there "
+                   "(`matrix_ns_dtype`)")
+
+
 def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
     """What `ns_dtype=None` picks on `device`, with the reason (the optimizer's repr shows it)."""
     device = torch.device(device)
     if device.type == "cpu":
         units = cpu_matrix_units()
         if "amx_bf16" in units:
-            return NsDtypeChoice(torch.bfloat16, "the CPU has AMX bf16 tiles (bf16 products ~6x fp32's speed)")
+            return NsDtypeChoice(torch.bfloat16, "the CPU has AMX bf16 tiles (bf16 products ~6x fp32's speed)"
+                                 + _SMALL_MATRICES)
         if "avx512_bf16" in units and cpu_vendor() == "AuthenticAMD":
             return NsDtypeChoice(torch.bfloat16, "the CPU has AVX512-BF16 on AMD cores (bf16 products 2.7x-4.4x "
-                                                 "fp32's speed)")
+                                                 "fp32's speed)" + _SMALL_MATRICES)
         if "avx512_bf16" in units:
             return NsDtypeChoice(torch.float32, "the CPU has AVX512-BF16 without AMX, on cores other than AMD's: "
                                                 "Intel's issue bf16 dot products at their fp32 rate (bf16 products "
@@ -122,6 +128,25 @@ def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
                                                 "cores and no bf16 ones (below 8.0); scaling stays in fp32")
         return NsDtypeChoice(torch.bfloat16, "bf16 tensor cores (compute capability 8.0 and newer)")
     return NsDtypeChoice(torch.bfloat16, f"{device.type} accelerators multiply bf16 on their matrix units")
+
+
+# Multiply-adds per product (their mean over a Newton-Schulz step) below which a lone matrix iterates faster in float32
+# than in a CPU's 16-bit default: oneDNN, which runs torch's 16-bit CPU products, costs ~30 us a call however small the
+# matrices, where MKL's float32 products of small ones take 2-5 us. zeropower, 5 steps, bf16 against float32 on a
+# 2-core Xeon with AMX (us): 10x256 527 / 133; 128x512 (6.3M a product) 1579 / 1397; 192x192 (7.1M) 1491 / 1277;
+# 224x224 (11.2M) 1687 / 1847; 256x256 (16.8M) 1983 / 2442. A stack of several keeps the default: a batched product
+# pays that cost once for all of its matrices (48 of 32x32: float32 1.6x slower, 12 of 32x128 1.1x faster).
+SMALL_MATRIX_MACS = 1 << 23
+
+
+def matrix_ns_dtype(default: torch.dtype, device: torch.device, shape: Sequence[int]) -> torch.dtype:
+    """The dtype `ns_dtype=None` iterates a stack of `shape` ((m, n) or (B, m, n)) in on `device`, where it resolves
+    to `default` (`default_ns_dtype`): float32 for a lone matrix below SMALL_MATRIX_MACS on a CPU whose default is
+    16-bit, `default` everywhere else. Shapes only: the same answer every time."""
+    if device.type != "cpu" or default.itemsize > 2 or (len(shape) == 3 and shape[0] != 1):
+        return default
+    short, long = min(shape[-2:]), max(shape[-2:])  # not sorted(): the compiler's tracer cannot sort sizes
+    return torch.float32 if 2 * short * short * long + short ** 3 < 3 * SMALL_MATRIX_MACS else default
 
 
 @torch.compiler.assume_constant_result
