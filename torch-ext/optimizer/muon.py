@@ -363,8 +363,8 @@ class Muon(Optimizer):
             CPUs, and on those, for a lone matrix under 2^23 multiply-adds a product (`matrix_ns_dtype`).
         ns_algorithm: "standard" (three products of the matrix's size per step), "gram" (the same polynomial
             applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices in float32) or "auto" (per
-            shape, "gram" where it takes fewer FLOPs, from an aspect ratio of about 1.5, and the iteration is
-            float32 or float64; "standard" otherwise).
+            shape, "gram" where it takes fewer FLOPs, from an aspect ratio of about 1.5, by 3M or more, and the
+            iteration is float32 or float64; "standard" otherwise).
         preconditioner: None or "aol": rows scaled by (|X Xᵀ| 1)^(-1/2) before the iteration instead of relying on
             the Frobenius scaling alone (Turbo-Muon); the "polar_express" schedule then assumes it, and 4 steps reach
             the accuracy 5 reach without it on well-conditioned matrices.

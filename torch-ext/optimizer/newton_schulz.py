@@ -198,9 +198,16 @@ def aol_scaled(X: Tensor, gram: Tensor, eps: float, in_place: bool = False) -> t
     return X * rows.to(X.dtype), gram * rows * columns
 
 
+# FLOPs a matrix the Gram iteration must save before "auto" picks it: it makes more calls than the standard iteration,
+# which cost a small matrix more than their products save (float32 zeropower on a 2-core Xeon, Gram's time over the
+# standard one's: 24x256 (2.0M saved) 1.10, 64x128 (2.1M) 1.17, 32x256 (3.4M) 0.88, 16x1024 (4.1M) 0.77; a batch's
+# calls count per matrix too: 12 of 32x128, 1.3M each, 1.12).
+_GRAM_MIN_SAVED_FLOP = 3e6
+
+
 def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int, dtype: torch.dtype) -> str:
     """"standard" or "gram" for a wide (m, n) matrix (or a batch of them) iterated in `dtype`. "auto" picks Gram
-    where it takes fewer FLOPs and runs in `dtype` itself: a 16-bit Gram iteration restarts every three steps and runs
+    where it saves at least _GRAM_MIN_SAVED_FLOP a matrix and runs in `dtype` itself: a 16-bit Gram iteration restarts every three steps and runs
     its m x m part in float32 on CPUs (see `gram_inner_dtype`), where that costs more than the 16-bit products it
     replaces, and on GPUs in float16, not yet timed there; so in 16-bit "auto" keeps the standard iteration."""
     if algorithm != "auto":
@@ -208,7 +215,7 @@ def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int, dtype: t
     if dtype.itemsize <= 2:
         return "standard"
     m, n = shape[-2], shape[-1]
-    return "gram" if gram_flop(m, n, steps, dtype) < standard_flop(m, n, steps) else "standard"
+    return "gram" if standard_flop(m, n, steps) - gram_flop(m, n, steps, dtype) >= _GRAM_MIN_SAVED_FLOP else "standard"
 
 
 def standard_flop(m: int, n: int, steps: int) -> float:
