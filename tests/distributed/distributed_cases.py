@@ -392,6 +392,9 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "ddp_process_group": partial(ddp_case, world),
         "ddp_process_group_bf16_comm": partial(ddp_case, world, torch.bfloat16, TRAINED_BF16_ATOL),
         "shard0_bf16_comm_default": partial(dtensor_case, (world,), [Shard(0)], atol=BF16_ATOL, comm_dtype=None),
+        # ns_dtype=None: on a CPU with fast bf16 products, stacks iterate in bf16 and lone small matrices in float32
+        # (`matrix_ns_dtype`), on the owners as on one device, whose buckets are not the owners' stacks.
+        "shard0_default_ns_dtype": partial(dtensor_case, (world,), [Shard(0)], atol=BF16_ATOL, ns_dtype=None),
         # NorMuon and AdaMuon on shards: rows whole on each rank (the expert bank updated in place, except where the
         # RMS rule needs its whole norm), rows split between ranks (their squares summed across), both normalizations
         # with and without the RMS rule, batched conv matrices, and replicated data-parallel tensors.
