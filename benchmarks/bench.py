@@ -279,6 +279,23 @@ def bench_buckets(optimizer, device: torch.device, ns_dtype: torch.dtype, repeat
     return rows
 
 
+def bench_lone_matrices(optimizer, device: torch.device, ns_dtype: torch.dtype, repeats: int) -> list[Row]:
+    """Five Newton-Schulz steps on single small matrices in the device's default dtype (16-bit here) against
+    ns_dtype=None, which iterates those below 2^23 multiply-adds a product in float32 (`matrix_ns_dtype`), side by
+    side: the MNIST MLP's 10x256 classifier and shapes on both sides of that line."""
+    rows = []
+    for shape in [(10, 256), (128, 512), (192, 192), (224, 224), (256, 256)]:
+        G = torch.randn(shape, device=device)
+        chosen = optimizer.matrix_ns_dtype(ns_dtype, device, shape)
+        default, per_shape = paired_medians_ms([lambda: optimizer.zeropower(G, dtype=ns_dtype),
+                                                lambda: optimizer.zeropower(G)], device, 20 * repeats)
+        case, flop = f"lone {shape[0]}x{shape[1]}, 5 steps", newton_schulz_flop(*shape, 5)
+        rows += [Row("zeropower", case, f"dtype={str(ns_dtype).removeprefix('torch.')}", default, flop, default),
+                 Row("zeropower", case, f"dtype=None ({str(chosen).removeprefix('torch.')} at this shape)", per_shape,
+                     flop, default)]
+    return rows
+
+
 def _aol_row(optimizer, G: torch.Tensor, ns_dtype: torch.dtype, case: str, flop: float, baseline: float,
              repeats: int) -> Row:
     """AOL-preconditioned Newton-Schulz with one step fewer (4), standard algorithm, with both iterations' distance
@@ -862,6 +879,8 @@ def main() -> None:
                                     compiled_reference=True)
         else:
             rows += bench_buckets(optimizer, device, choice.dtype, args.repeats)
+            if choice.dtype.itemsize == 2:
+                rows += bench_lone_matrices(optimizer, device, choice.dtype, args.repeats)
     if "step" in sections:
         step_rows, step_notes = bench_step(optimizer, device, torch_dtype, args.repeats)
         rows += step_rows
