@@ -105,9 +105,8 @@ class Orthogonalizer:
     def __call__(self, matrices: Tensor, workspace: Workspace | None = None) -> Tensor:
         """The orthogonalized stack. `matrices` is the caller's temporary: it is overwritten. With a `workspace`, the
         result may live in its blocks."""
-        return newton_schulz(matrices, self.coefficients, self.eps, dtype=self.stack_dtype(matrices.shape,
-                                                                                           matrices.device),
-                             algorithm=self.algorithm,
+        dtype = self.stack_dtype(matrices.shape, matrices.device)
+        return newton_schulz(matrices, self.coefficients, self.eps, dtype=dtype, algorithm=self.algorithm,
                              preconditioner=self.preconditioner, safety_factor=self.safety_factor,
                              scale_eps=self.scale_eps, overwrite_input=True, workspace=workspace)
 
@@ -207,15 +206,17 @@ _GRAM_MIN_SAVED_FLOP = 3e6
 
 def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int, dtype: torch.dtype) -> str:
     """"standard" or "gram" for a wide (m, n) matrix (or a batch of them) iterated in `dtype`. "auto" picks Gram
-    where it saves at least _GRAM_MIN_SAVED_FLOP a matrix and runs in `dtype` itself: a 16-bit Gram iteration restarts every three steps and runs
-    its m x m part in float32 on CPUs (see `gram_inner_dtype`), where that costs more than the 16-bit products it
-    replaces, and on GPUs in float16, not yet timed there; so in 16-bit "auto" keeps the standard iteration."""
+    where it saves at least _GRAM_MIN_SAVED_FLOP a matrix and runs in `dtype` itself: a 16-bit Gram iteration
+    restarts every three steps and runs its m x m part in float32 on CPUs (see `gram_inner_dtype`), where that costs
+    more than the 16-bit products it replaces, and on GPUs in float16, not yet timed there; so in 16-bit "auto" keeps
+    the standard iteration."""
     if algorithm != "auto":
         return algorithm
     if dtype.itemsize <= 2:
         return "standard"
     m, n = shape[-2], shape[-1]
-    return "gram" if standard_flop(m, n, steps) - gram_flop(m, n, steps, dtype) >= _GRAM_MIN_SAVED_FLOP else "standard"
+    saved = standard_flop(m, n, steps) - gram_flop(m, n, steps, dtype)
+    return "gram" if saved >= _GRAM_MIN_SAVED_FLOP else "standard"
 
 
 def standard_flop(m: int, n: int, steps: int) -> float:
