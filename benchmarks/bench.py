@@ -441,6 +441,7 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         rows += _adamw_part_rows(optimizer, device, f"{name}, its {len(vectors)} AdamW tensors alone", vectors,
                                  repeats)
     rows += _small_model_rows(optimizer, device, torch_dtype, repeats)
+    rows += _layer_group_rows(optimizer, device, torch_dtype, repeats)
     return rows, notes
 
 
@@ -511,6 +512,39 @@ def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype,
                      "AdamW", baseline, flop, baseline),
                  Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline)]
     return rows
+
+
+def _layer_group_rows(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:
+    """GPT-2 small's structure at 1/GPT2_STRUCTURE_WIDTH of its width with a param group per block, each at its own
+    lr (as layer-wise lr decay makes them: lr * 0.9^depth from the top, the vectors in a group of their own per block),
+    ours against torch.optim.Muon + fused AdamW on the same groups, and ours on the same tensors in two groups: buckets
+    do not cross param groups, so each group's matrices are orthogonalized alone."""
+    def narrow(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(max(1, size // GPT2_STRUCTURE_WIDTH) for size in shape)
+
+    matrices, vectors = _step_params(device, [narrow(shape) for shape in GPT2_SMALL_BLOCK],
+                                     [narrow((size,))[0] for size in GPT2_SMALL_VECTORS], GPT2_BLOCKS, [])
+    per_block = (len(GPT2_SMALL_BLOCK), len(GPT2_SMALL_VECTORS))
+    blocks = [(matrices[b * per_block[0]:(b + 1) * per_block[0]], vectors[b * per_block[1]:(b + 1) * per_block[1]],
+               0.02 * 0.9 ** (GPT2_BLOCKS - 1 - b)) for b in range(GPT2_BLOCKS)]
+    theirs = [torch.optim.Muon([dict(params=block, lr=lr) for block, _, lr in blocks], lr=0.02,
+                               adjust_lr_fn="match_rms_adamw"),
+              torch.optim.AdamW([dict(params=block, lr=lr) for _, block, lr in blocks], lr=0.02, betas=(0.9, 0.95),
+                                fused=True)]
+    ours = optimizer.Muon([group for block_matrices, block_vectors, lr in blocks
+                           for group in (dict(params=block_matrices, lr=lr),
+                                         dict(params=block_vectors, lr=lr, use_muon=False))], lr=0.02)
+    (two_groups,) = step_memory._optimizers(optimizer, "optimizer.Muon (defaults)", matrices, vectors)
+    baseline, grouped, merged = paired_medians_ms([torch_stepping(theirs, torch_dtype), ours.step, two_groups.step],
+                                                  device, 20 * repeats)
+    case = (f"GPT-2 small's structure, every dim / {GPT2_STRUCTURE_WIDTH}, a param group per block (layer-wise lr "
+            "decay)")
+    flop = GPT2_BLOCKS * sum(newton_schulz_flop(*narrow(shape), 5) for shape in GPT2_SMALL_BLOCK)
+    return [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused AdamW, "
+                "the same groups", baseline, flop, baseline),
+            Row("Muon.step", case, "optimizer.Muon (defaults), the same groups", grouped, flop, baseline),
+            Row("Muon.step", case, "optimizer.Muon (defaults), the same tensors in two groups", merged, flop,
+                baseline)]
 
 
 def _adamw_part_rows(optimizer, device: torch.device, case: str, params: list[torch.Tensor], repeats: int) -> list[Row]:
