@@ -571,8 +571,8 @@ class Muon(Optimizer):
         if group["normalization"] is None:
             return
         for param in group["params"]:
-            view = _view(group, param)
-            if param.grad is None or view is None:
+            view = None if param.grad is None else _view(group, param)
+            if view is None:
                 continue
             saved = self.state[param].get("update_sq")
             expected = second_moment_shape(param.shape, view, group["normalization"])

@@ -100,10 +100,6 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
 
 
-_SMALL_MATRICES = ("; a lone matrix of fewer than 2^23 multiply-adds a product runs in float32, faster there "
-                   "(`matrix_ns_dtype`)")
-
-
 def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
     """What `ns_dtype=None` picks on `device`, with the reason (the optimizer's repr shows it)."""
     device = torch.device(device)
@@ -137,6 +133,8 @@ def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
 # 224x224 (11.2M) 1687 / 1847; 256x256 (16.8M) 1983 / 2442. A stack of several keeps the default: a batched product
 # pays that cost once for all of its matrices (48 of 32x32: float32 1.6x slower, 12 of 32x128 1.1x faster).
 SMALL_MATRIX_MACS = 1 << 23
+_SMALL_MATRICES = (f"; a lone matrix of fewer than 2^{SMALL_MATRIX_MACS.bit_length() - 1} multiply-adds a product runs "
+                   "in float32, faster there (`matrix_ns_dtype`)")
 
 
 def matrix_ns_dtype(default: torch.dtype, device: torch.device, shape: Sequence[int]) -> torch.dtype:
