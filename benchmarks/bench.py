@@ -517,8 +517,9 @@ def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype,
 def _layer_group_rows(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:
     """GPT-2 small's structure at 1/GPT2_STRUCTURE_WIDTH of its width with a param group per block, each at its own
     lr (as layer-wise lr decay makes them: lr * 0.9^depth from the top, the vectors in a group of their own per block),
-    ours against torch.optim.Muon + fused AdamW on the same groups, and ours on the same tensors in two groups: buckets
-    do not cross param groups, so each group's matrices are orthogonalized alone."""
+    ours against torch.optim.Muon + fused AdamW on the same groups, and ours on the same tensors in two groups: the
+    Muon groups share buckets (they differ only in lr), so what is left between the two is each group's own Python
+    (its options checked, its state gathered) and the AdamW part's calls per group."""
     def narrow(shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(max(1, size // GPT2_STRUCTURE_WIDTH) for size in shape)
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from kernel_under_test import optimizer, submodule
 Muon = optimizer.Muon
 functional = sys.modules[f"{optimizer.__name__}.functional"]
 native = sys.modules[f"{optimizer.__name__}.native"]
+muon_view = sys.modules[f"{optimizer.__name__}.routing"].muon_view
 TRITON_INTERPRETED = functional.TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -45,9 +47,14 @@ def seeded_grads(params: list[torch.Tensor], seed: int, in_place: bool = False) 
 
 # --- against torch.optim.Muon and torch.optim.AdamW ---------------------------------------------------------
 
+# Three groups of one (64, 96), one (96, 64) and one other matrix each: buckets of matrices from every group.
+_LR_DECAY_GROUPS = [dict(lr=0.02, weight_decay=0.1), dict(lr=0.01, weight_decay=0.0), dict(lr=0.03, weight_decay=0.2)]
+
+
+@pytest.mark.parametrize("groups", ["one", "three differing in lr and weight decay"])
 @pytest.mark.parametrize("rounds", ["shared", "one per bucket", "buckets in chunks", "written by one Triton launch"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_matches_torch_muon(nesterov: bool, rounds: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matches_torch_muon(nesterov: bool, rounds: str, groups: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if rounds == "written by one Triton launch":  # as a GPU with Triton writes the updates
         if not TRITON_INTERPRETED:
             pytest.skip("CPU tensors in Triton kernels need the interpreter")
@@ -63,26 +70,43 @@ def test_matches_torch_muon(nesterov: bool, rounds: str, monkeypatch: pytest.Mon
     shapes = [(64, 96), (96, 64), (48, 48), (96, 64), (64, 96), (96, 64)]
     ours = [torch.randn(s) for s in shapes]
     theirs = [p.clone() for p in ours]
-    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, eps=1e-7)
-    opt = Muon(ours, ns_coefficients="original", ns_dtype=torch.bfloat16, adjust_lr_fn="original", ns_steps=5,
-               **settings)
-    ref = torch.optim.Muon(theirs, ns_coefficients=(3.4445, -4.7750, 2.0315), adjust_lr_fn="original", ns_steps=5,
-                           **settings)
+    options = _LR_DECAY_GROUPS if groups != "one" else _LR_DECAY_GROUPS[:1]
+    lrs = [options[index % len(options)]["lr"] for index in range(len(shapes))]
+
+    def grouped(params: list[torch.Tensor]) -> list[dict]:
+        return [dict(params=params[start::len(options)], **group) for start, group in enumerate(options)]
+    settings = dict(momentum=0.9, nesterov=nesterov, eps=1e-7)
+    opt = Muon(grouped(ours), ns_coefficients="original", ns_dtype=torch.bfloat16, adjust_lr_fn="original",
+               ns_steps=5, **settings)
+    ref = torch.optim.Muon(grouped(theirs), ns_coefficients=(3.4445, -4.7750, 2.0315), adjust_lr_fn="original",
+                           ns_steps=5, **settings)
     for step in range(4):
         seeded_grads(ours, step)
         seeded_grads(theirs, step)
         opt.step()
         ref.step()
-        for p, q in zip(ours, theirs):
+        for p, q, lr in zip(ours, theirs, lrs):
             # Both run the same bf16 Newton-Schulz; the only differences are rounding in reductions done in another
             # order (batched norms). An update entry is ~1/sqrt(n) in size and bf16 keeps ~3 significant digits, so
             # allow 1% of one step's update per step taken.
-            update_size = 0.02 * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) / math.sqrt(min(p.shape))
+            update_size = lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) / math.sqrt(min(p.shape))
             torch.testing.assert_close(p, q, rtol=0, atol=0.01 * update_size * (step + 1))
         for p, q in zip(ours, theirs):
             torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"],
                                        rtol=1e-6, atol=1e-6)
     assert not functional._one_launch_failed
+
+
+def test_muon_update_refuses_per_parameter_rates_of_another_length() -> None:
+    param = torch.randn(8, 8)
+    item = functional.MuonTensors(param, torch.randn(8, 8), torch.zeros(8, 8), torch.zeros((), dtype=torch.int64),
+                                  muon_view(param.shape, None, "auto", "flatten"))
+    orthogonalizer = functional.Orthogonalizer(((3.4445, -4.7750, 2.0315),), 1e-7, torch.float32)
+    with pytest.raises(ValueError, match="2 learning rates or weight decays given for 1 parameters"):
+        functional.muon_update([item], lr=[0.1, 0.2], weight_decay=0.0, momentum=0.9, nesterov=True,
+                               orthogonalizer=orthogonalizer, adjust_lr_fn=None, normalize_spatial=False,
+                               normalization=None, normalization_beta=0.95)
+    assert torch.equal(item.momentum_buffer, torch.zeros(8, 8))
 
 
 @pytest.fixture(params=["one compiled call", "fused per dtype", "one Triton launch"])
@@ -405,15 +429,37 @@ def test_expert_bank_and_conv1d_layouts() -> None:
     torch.testing.assert_close(conv1d, polar_factor(grad.reshape(4, 240)).reshape(grad.shape), **POLAR_TOL)
 
 
-def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, ...]] = []
+def _stacks_orthogonalized(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of the stacks the optimizer's Newton-Schulz is called on, as it is called."""
+    shapes: list[tuple[int, ...]] = []
     real = functional.Orthogonalizer.__call__
 
-    def counting(self, matrices, workspace=None):
-        calls.append(tuple(matrices.shape))
-        return real(self, matrices, workspace)
+    def recording(self: Any, matrices: torch.Tensor, *args: Any) -> torch.Tensor:
+        shapes.append(tuple(matrices.shape))
+        return real(self, matrices, *args)
+    monkeypatch.setattr(functional.Orthogonalizer, "__call__", recording)
+    return shapes
 
-    monkeypatch.setattr(functional.Orthogonalizer, "__call__", counting)
+
+@pytest.mark.parametrize("second_group, shared", [
+    (dict(lr=0.01, weight_decay=0.0), True),
+    (dict(lr=torch.tensor(0.01)), False),  # a tensor lr stays a tensor to the update
+    (dict(momentum=0.8), False),
+    (dict(ns_steps=4), False),
+    (dict(adjust_lr_fn="original"), False),
+])
+def test_groups_that_differ_only_in_lr_and_weight_decay_share_buckets(second_group: dict, shared: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    shapes = _stacks_orthogonalized(monkeypatch)
+    params = [torch.nn.Parameter(torch.randn(16, 24)) for _ in range(4)]
+    opt = Muon([dict(params=params[:2]), dict(params=params[2:], **second_group)], lr=0.02, ns_dtype=torch.float32)
+    seeded_grads(params, 0)
+    opt.step()
+    assert shapes == ([(4, 16, 24)] if shared else [(2, 16, 24), (2, 16, 24)])
+
+
+def test_same_shape_parameters_share_one_batched_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _stacks_orthogonalized(monkeypatch)
     params = [torch.randn(32, 48) for _ in range(5)] + [torch.randn(48, 32) for _ in range(2)]
     seeded_grads(params, 0)
     Muon(params).step()
@@ -429,19 +475,12 @@ def test_large_buckets_run_in_near_equal_chunks(bucket_numel: int | None, layout
     # most _BUCKET_NUMEL entries, in the parameters' order, near-equal; the bank, larger than a chunk, stays whole.
     if bucket_numel is not None:
         monkeypatch.setattr(functional, "_BUCKET_NUMEL", {"cpu": bucket_numel})
-    calls: list[int] = []
-    real = functional.Orthogonalizer.__call__
-
-    def counting(self, matrices, workspace=None):
-        calls.append(matrices.shape[0])
-        return real(self, matrices, workspace)
-
-    monkeypatch.setattr(functional.Orthogonalizer, "__call__", counting)
+    stacks = _stacks_orthogonalized(monkeypatch)
     shapes = [(32, 48)] * 7 if layout == "7" else [(32, 48), (32, 48), (4, 32, 48), (32, 48)]
     params = [torch.randn(shape) for shape in shapes]
     seeded_grads(params, 0)
     Muon(params).step()
-    assert calls == batches
+    assert [stack[0] for stack in stacks] == batches
 
 
 @pytest.mark.parametrize("round_numel, rounds", [(None, 1), (32 * 48 * 3, 2), (0, 3)])

@@ -144,23 +144,29 @@ def test_a_compiled_step_traces_torch_ops_in_place_of_the_launch(monkeypatch: py
 
 
 @pytest.mark.parametrize("options", [dict(normalization="neuron"), dict(normalization="element"),
-                                     dict(preconditioner="aol", ns_steps=4), dict(nesterov=False, weight_decay=0.0)],
-                         ids=["NorMuon", "AdaMuon", "AOL", "no decay"])
+                                     dict(preconditioner="aol", ns_steps=4), dict(nesterov=False, weight_decay=0.0),
+                                     dict(last_group=dict(lr=0.01, weight_decay=0.3))],
+                         ids=["NorMuon", "AdaMuon", "AOL", "no decay", "groups by lr and decay"])
 def test_optimizer_steps_written_by_the_launch_equal_those_written_by_torch_ops(
         options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole steps, the normalizations' rescaled updates and a tall matrix's transposed one among them: the same
-    parameters through the launch and through torch's ops, a few float32 roundings apart."""
+    parameters through the launch and through torch's ops, a few float32 roundings apart. With `last_group`, the last
+    matrix is in a group of its own whose stack it shares with the first (decay factors per matrix)."""
     generator = torch.Generator().manual_seed(2)
     shapes = [(16, 24), (24, 16), (16, 24)]
     start = [torch.randn(shape, generator=generator).to(DEVICE) for shape in shapes]
     grads = [[torch.randn(shape, generator=generator).to(DEVICE) for shape in shapes] for _ in range(3)]
+    options = dict(options)
+    last_group = options.pop("last_group", None)
     settings = {"lr": 0.02, "weight_decay": 0.1, "ns_dtype": torch.float32, **options}
     results = []
     for launched in (True, False):
         with monkeypatch.context() as patch:
             launches = _launched(patch) if launched else []
             params = [torch.nn.Parameter(weight.clone()) for weight in start]
-            opt = optimizer.Muon(params, **settings)
+            groups = [dict(params=params)] if last_group is None else [dict(params=params[:-1]),
+                                                                       dict(params=params[-1:], **last_group)]
+            opt = optimizer.Muon(groups, **settings)
             for step_grads in grads:
                 for param, grad in zip(params, step_grads):
                     param.grad = grad.clone()

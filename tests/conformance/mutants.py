@@ -36,21 +36,21 @@ def _replace(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
 
 
 def _skip_step(method: str) -> Callable[[type, Any, Any], None]:
-    return lambda muon, module, functional: _replace(muon, method, lambda real: lambda self, group, items: None)
+    return lambda muon, module, functional: _replace(muon, method, lambda real: lambda self, group, items, *rest: None)
 
 
 def _group_value(method: str, key: str, value: Callable[[Any, dict], Any]) -> Callable[[type, Any, Any], None]:
     """The step method reads `key` from somewhere other than the group it is given."""
     def apply(muon: type, module: Any, functional: Any) -> None:
-        _replace(muon, method, lambda real: lambda self, group, items: real(
-            self, {**group, key: value(self, group)}, items))
+        _replace(muon, method, lambda real: lambda self, group, items, *rest: real(
+            self, {**group, key: value(self, group)}, items, *rest))
     return apply
 
 
 def _skip_last_group(muon: type, module: Any, functional: Any) -> None:
     for method in ("_muon_step", "_adamw_step"):
-        _replace(muon, method, lambda real: lambda self, group, items: None if (
-            len(self.param_groups) > 1 and group is self.param_groups[-1]) else real(self, group, items))
+        _replace(muon, method, lambda real: lambda self, group, items, *rest: None if (
+            len(self.param_groups) > 1 and group is self.param_groups[-1]) else real(self, group, items, *rest))
 
 
 # What a step hands its parameters to: the single-device updates, through their offload staging.
@@ -89,8 +89,8 @@ def _route_every_matrix_to_muon(muon: type, module: Any, functional: Any) -> Non
 
 def _empty_parameter_stalls_its_group(muon: type, module: Any, functional: Any) -> None:
     for method in ("_muon_step", "_adamw_step"):
-        _replace(muon, method, lambda real: lambda self, group, items: None if any(
-            p.numel() == 0 for p in group["params"]) else real(self, group, items))
+        _replace(muon, method, lambda real: lambda self, group, items, *rest: None if any(
+            p.numel() == 0 for p in group["params"]) else real(self, group, items, *rest))
 
 
 def _forced_empty_accepted(muon: type, module: Any, functional: Any) -> None:

@@ -14,6 +14,7 @@ import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -267,16 +268,25 @@ def _stacks(buckets: Sequence[list[MuonTensors]], workspace: Workspace, orthogon
     return stacks
 
 
-def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay: float, momentum: float, nesterov: bool,
-                orthogonalizer: Orthogonalizer, adjust_lr_fn: str | None, normalize_spatial: bool,
-                normalization: str | None, normalization_beta: float, workspace: Workspace | None = None) -> None:
+def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[float],
+                weight_decay: float | Sequence[float], momentum: float, nesterov: bool, orthogonalizer: Orthogonalizer,
+                adjust_lr_fn: str | None, normalize_spatial: bool, normalization: str | None, normalization_beta: float,
+                workspace: Workspace | None = None) -> None:
     """Momentum, batched Newton-Schulz per bucket, the optional second-moment normalization, decoupled weight decay
     and the scaled update, round by round (see `_rounds`). A round's stacks come from `workspace` (None: a fresh one),
     and so do the Newton-Schulz buffers of a round of one bucket; in a round of several, each bucket's Newton-Schulz
-    allocates its own small buffers, whose results stay alive until the round's update."""
+    allocates its own small buffers, whose results stay alive until the round's update.
+
+    `lr` and `weight_decay`: one for all items, or numbers, one per item in items' order, so that parameter groups
+    which differ only in them (layer-wise lr decay: a group per block) share buckets and rounds."""
     workspace = workspace or Workspace()
+    rates = _rates(items, lr, weight_decay)
     for round_buckets in _rounds(buckets(items)):
         round_items = [item for bucket in round_buckets for item in bucket]
+        if rates is None:
+            round_lrs, round_decays = [lr] * len(round_items), [weight_decay] * len(round_items)
+        else:
+            round_lrs, round_decays = zip(*(rates[id(item)] for item in round_items))
         device = round_items[0].param.device
         stacks = _stacks(round_buckets, workspace, orthogonalizer, device)
         finite = _momentum_into(round_buckets, stacks, momentum, nesterov)
@@ -298,11 +308,45 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate, weight_decay:
                                         [item.view for item in round_items], normalization, normalization_beta,
                                         orthogonalizer.eps, bias_correction=not rms_rule, sums_of_squares=rms_rule)
         step_sizes = []
-        for index, (item, update) in enumerate(zip(round_items, updates)):
+        for index, (item, update, item_lr) in enumerate(zip(round_items, updates, round_lrs)):
             rms_scale = rms_rule_scale(totals[index], item.view, orthogonalizer.eps) if rms_rule else None
-            step_sizes.append(-update_step_size(lr, adjust_lr_fn, item.view, normalize_spatial, rms_scale))
-        decay = decay_factors(skipped, lr, weight_decay, params[0].dtype) if weight_decay != 0 else None
-        _apply_update_(params, updates, decay, step_sizes)
+            step_sizes.append(-update_step_size(item_lr, adjust_lr_fn, item.view, normalize_spatial, rms_scale))
+        _apply_update_(params, updates, _round_decay(skipped, round_lrs, round_decays, params[0].dtype), step_sizes)
+
+
+def _rates(items: Sequence[MuonTensors], lr: LearningRate | Sequence[float],
+           weight_decay: float | Sequence[float]) -> dict[int, tuple[LearningRate, float]] | None:
+    """Each item's (lr, weight decay) by its id where `muon_update` was given them per item; None where it was given
+    one of each for all."""
+    given = [isinstance(value, Sequence) for value in (lr, weight_decay)]
+    if not any(given):
+        return None
+    for per_item, value in zip(given, (lr, weight_decay)):
+        if per_item and len(value) != len(items):
+            raise ValueError(f"{len(value)} learning rates or weight decays given for {len(items)} parameters")
+    lrs = lr if given[0] else repeat(lr)
+    decays = weight_decay if given[1] else repeat(weight_decay)
+    return {id(item): (item_lr, decay) for item, item_lr, decay in zip(items, lrs, decays)}
+
+
+def _round_decay(skipped: Tensor, lrs: Sequence[LearningRate], weight_decays: Sequence[float],
+                 dtype: torch.dtype) -> Tensor | None:
+    """The round's decay factors (`decay_factors`), or None where no parameter of it decays."""
+    if not any(weight_decays):
+        return None
+    if all(item_lr is lrs[0] or item_lr == lrs[0] for item_lr in lrs) and len(set(weight_decays)) == 1:
+        return decay_factors(skipped, lrs[0], weight_decays[0], dtype)
+    factors = [1.0 - item_lr * decay for item_lr, decay in zip(lrs, weight_decays)]
+    return _on_device(factors, dtype, skipped.device).masked_fill(skipped, 1.0)
+
+
+def _on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A vector of numbers on `device` without a host sync: a GPU gets it from pinned host memory asynchronously
+    (torch syncs a copy from pageable memory); in a compiled step it is a constant of the graph."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
+    vector = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return vector.to(device, non_blocking=True)
 
 
 def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -97,6 +97,11 @@ class Orthogonalizer:
     @property
     def staging_dtype(self) -> torch.dtype:
         return staging_dtype(self.dtype)
+
+    @property
+    def recipe(self) -> tuple:
+        """Its fields: equal for two orthogonalizers that treat every stack alike."""
+        return tuple(getattr(self, field.name) for field in fields(self))
 
     def stack_dtype(self, shape: Sequence[int], device: torch.device) -> torch.dtype:
         """The dtype a stack of `shape` on `device` iterates in: `dtype`, or what `matrix_ns_dtype` makes of it."""
