@@ -87,19 +87,20 @@ def test_a_compiled_muon_step_is_one_graph_and_equals_eager() -> None:
     assert_steps_match(torch.compile(opt.step, fullgraph=True), eager, params, eager_params)  # fullgraph: no break
 
 
-def test_a_compiled_step_of_groups_differing_in_lr_and_weight_decay_equals_the_eager_step() -> None:
+@pytest.mark.parametrize("options", [{}, {"normalization": "neuron"}, {"state_dtype": torch.bfloat16},
+                                     {"state_dtype": "int8"}], ids=["plain", "NorMuon", "bf16 state", "int8 state"])
+def test_a_compiled_step_of_groups_differing_in_lr_and_weight_decay_equals_the_eager_step(options: dict) -> None:
     # The two groups' same-shape matrices share a stack, each taking its group's lr and weight decay: in the compiled
-    # step the decay factors are a constant of the graph. (fullgraph=True fails on the first step of several groups
-    # whether they share buckets or not: dynamo keeps the state dict as it was after the first group's _init_group.)
+    # step the decay factors are a constant of the graph. The first step makes the state of both groups.
     fresh_compile_state()
     params = [torch.randn(24, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     eager_params = [param.clone() for param in params]
 
     def grouped(tensors: list[torch.Tensor]) -> list[dict]:
         return [dict(params=tensors[:2]), dict(params=tensors[2:], lr=0.01, weight_decay=0.3)]
-    opt = optimizer.Muon(grouped(params), lr=0.02, **FLOAT32_NS)
-    eager = optimizer.Muon(grouped(eager_params), lr=0.02, **FLOAT32_NS)
-    assert_steps_match(torch.compile(opt.step), eager, params, eager_params)
+    opt = optimizer.Muon(grouped(params), lr=0.02, **FLOAT32_NS, **options)
+    eager = optimizer.Muon(grouped(eager_params), lr=0.02, **FLOAT32_NS, **options)
+    assert_steps_match(torch.compile(opt.step, fullgraph=True), eager, params, eager_params)
 
 
 def test_with_adamw_parameters_the_only_break_is_the_eager_adamw_update() -> None:

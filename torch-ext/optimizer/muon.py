@@ -239,6 +239,23 @@ _MUON_MOMENTS = (("momentum_buffer", _MOMENTUM_SCALES),)
 _ADAMW_MOMENTS = (("exp_avg", _EXP_AVG_SCALES), ("exp_avg_sq", _EXP_AVG_SQ_SCALES))
 
 
+# The state a step's items take, in the order `Muon._init_group` lists it and `Muon._gather` reads it.
+_MUON_STATE = ("momentum_buffer", "nonfinite_skips", "rounding_count", _MOMENTUM_SCALES, "update_sq", "update_step")
+_ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step", "nonfinite_skips", "rounding_count", _EXP_AVG_SCALES,
+                _EXP_AVG_SQ_SCALES)
+
+
+def _state_keys(group: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, ...]:
+    """`keys` with None for the state this group's options do not use: a rounding count kept from an earlier
+    state_dtype, a second moment from an earlier normalization. (No state has a None key: its tensor is None.)"""
+    unused = set()
+    if not rounds_stochastically(group["state_dtype"]):
+        unused.add("rounding_count")
+    if group["normalization"] is None:
+        unused.update(("update_sq", "update_step"))
+    return tuple(None if key in unused else key for key in keys)
+
+
 def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
     saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
     params = chain.from_iterable(group["params"] for group in param_groups)
@@ -606,47 +623,54 @@ class Muon(Optimizer):
                                  f"{tuple(saved.shape)} (from another normalization: delete state['update_sq'] and "
                                  "state['update_step'] to start it afresh)")
 
-    def _init_group(self, group: dict[str, Any]) -> None:
-        """The state of the group's parameters with gradients, made ready for this step (`_prepared_state`). The name
-        is torch's optimizers' own: torch.compile runs a method so named eagerly while it traces `step`, and takes the
-        state it leaves as fixed addresses. A CUDA graph of the step then updates that state in place; created inside
-        the graph instead, it would be among the graph's outputs, which the next replay overwrites. The saved second
-        moments are checked here, as the state is read only here before the update: a group refused leaves the groups
-        before it with their state made, which is all a step would have done to it, and every parameter as it was."""
+    def _init_group(self, group: dict[str, Any], state_tensors: list[Tensor | None]) -> None:
+        """The state of the group's parameters with gradients, made ready for this step (`_prepared_state`), and
+        listed in `state_tensors` (`_MUON_STATE`, `_ADAMW_STATE`) for `_gather`. The name is torch's optimizers' own:
+        torch.compile runs a method so named eagerly while it traces `step`, takes the state it leaves as fixed
+        addresses, and the tensors it appends to a list argument as the graph's inputs; the state dict itself the
+        tracer keeps as the first group's call left it, so a step of several groups reads its state from the lists
+        (read from the dict, the first step of two groups under fullgraph=True raised a KeyError). A CUDA graph of the
+        step then updates that state in place; created inside the graph instead, it would be among the graph's
+        outputs, which the next replay overwrites. The saved second moments are checked here, as the state is read
+        only here before the update: a group refused leaves the groups before it with their state made, which is all
+        a step would have done to it, and every parameter as it was."""
         self._check_normalization_state(group)
+        muon_keys, adamw_keys = _state_keys(group, _MUON_STATE), _state_keys(group, _ADAMW_STATE)
         for param in group["params"]:
             if param.grad is not None:
-                self._prepared_state(group, param, _view(group, param))
+                view = _view(group, param)
+                state = self._prepared_state(group, param, view)
+                state_tensors.extend(map(state.get, muon_keys if view is not None else adamw_keys))
 
-    def _gather(self, group: dict[str, Any]) -> tuple[list[MuonTensors], list[AdamWTensors]]:
-        """The group's parameters with gradients, with their state (made ready by `_init_group`)."""
+    def _gather(self, group: dict[str, Any],
+                state_tensors: list[Tensor | None]) -> tuple[list[MuonTensors], list[AdamWTensors]]:
+        """The group's parameters with gradients, with their state as `_init_group` listed it."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
-        rounds = rounds_stochastically(group["state_dtype"])
-        normalized = group["normalization"] is not None
+        start = 0
         for param in group["params"]:
             grad = param.grad
             if grad is None:
                 continue
             view = _view(group, param)
-            state = self.state[param]
-            rounding_count = state.get("rounding_count") if rounds else None
             if view is not None:
-                item = MuonTensors(param, grad, state["momentum_buffer"], state["nonfinite_skips"], view,
-                                   rounding_count=rounding_count, momentum_scales=state.get(_MOMENTUM_SCALES))
-                if normalized:
-                    item.second_moment, item.update_step = state["update_sq"], state["update_step"]
-                muon_items.append(item)
+                momentum, skips, rounding_count, scales, second_moment, update_step = (
+                    state_tensors[start:start + len(_MUON_STATE)])
+                start += len(_MUON_STATE)
+                muon_items.append(MuonTensors(param, grad, momentum, skips, view, second_moment, update_step,
+                                              rounding_count, scales))
             else:
-                adamw_items.append(AdamWTensors(param, grad, state["exp_avg"], state["exp_avg_sq"],
-                                                state["step"], state["nonfinite_skips"], rounding_count,
-                                                state.get(_EXP_AVG_SCALES), state.get(_EXP_AVG_SQ_SCALES)))
+                exp_avg, exp_avg_sq, step, skips, rounding_count, exp_avg_scales, exp_avg_sq_scales = (
+                    state_tensors[start:start + len(_ADAMW_STATE)])
+                start += len(_ADAMW_STATE)
+                adamw_items.append(AdamWTensors(param, grad, exp_avg, exp_avg_sq, step, skips, rounding_count,
+                                                exp_avg_scales, exp_avg_sq_scales))
         return muon_items, adamw_items
 
-    def _prepared_state(self, group: dict[str, Any], param: Tensor, view: MatrixView | None) -> None:
+    def _prepared_state(self, group: dict[str, Any], param: Tensor, view: MatrixView | None) -> dict[str, Any]:
         """A parameter's state as this step needs it (`view`: its matrix view if Muon steps it, None for AdamW): created
         where missing, its moments in the group's state_dtype, and with offload, the moments in pinned host memory
-        (where they are created or loaded, on its device)."""
+        (where they are created or loaded, on its device). Returns it."""
         state = self.state[param]
         if "nonfinite_skips" not in state:
             state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64, device=param.device)
@@ -668,6 +692,7 @@ class Muon(Optimizer):
             _keep_moments(state, param, _ADAMW_MOMENTS, form, rounding_count)
         if self.offload is not None:
             keep_at_home(state, home_device(param, self.offload))
+        return state
 
     def _muon_steps(self, parts: list[tuple[dict[str, Any], list[MuonTensors]]]) -> None:
         """Each group's Muon update (`_muon_step`), the local parameters of groups that share buckets in one
@@ -768,9 +793,10 @@ class Muon(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             self._check_step_inputs(group)
-        for group in self.param_groups:
-            self._init_group(group)
-        gathered = [self._gather(group) for group in self.param_groups]
+        state_tensors: list[list[Tensor | None]] = [[] for _ in self.param_groups]
+        for group, tensors in zip(self.param_groups, state_tensors):
+            self._init_group(group, tensors)
+        gathered = [self._gather(group, tensors) for group, tensors in zip(self.param_groups, state_tensors)]
         self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(self.param_groups, gathered)])
         adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(self.param_groups, gathered)
                         if adamw_items]

@@ -280,12 +280,14 @@ def muon_momentum_rounded_(momentum_buffers: list[Tensor], scales: list[Tensor |
     its stored value, updates[i] is written from that float32 value, and the momentum is stored back stochastically
     rounded, salted by rounding_counts[i] (int64, one element) and each entry's index in the whole tensor,
     positions[i] (contiguous int64; None: the tensor is whole). A non-finite gradient leaves the stored momentum as it
-    is and zeroes the update. The counts are not moved (the caller knows whether other ranks agreed).
+    is and zeroes the update. The counts are not moved (the caller knows whether other ranks agreed). A torch.compile
+    trace takes the fallback's torch ops: inductor failed to lower the op's lists of optional tensors (torch 2.13:
+    "'dict' object has no attribute 'append'"), so a compiled step with a `state_dtype` did not compile.
 
     Returns the float32 (N,) finite flags on the grads' device, computed without a host sync."""
     device = _common_device(momentum_buffers, grads, updates)
     finite = torch.empty(len(grads), dtype=torch.float32, device=device)
-    compiled = _compiled_op(_ROUNDED_MOMENTUM_OP, device.type)
+    compiled = _eager_op(_ROUNDED_MOMENTUM_OP, device.type)
     if compiled is not None:
         compiled(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions, beta, nesterov)
     else:
