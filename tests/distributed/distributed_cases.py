@@ -64,14 +64,27 @@ def assert_matches(ours: Sequence[torch.Tensor], reference: Sequence[torch.Tenso
         assert error <= atol, f"tensor {index} of shape {tuple(truth.shape)}: max error {error:.3g} > {atol:.3g}"
 
 
+def grouped(params: Sequence[torch.Tensor], groups: Sequence[dict]) -> list:
+    """The parameters, or with `groups` (each a param group's options) dealt out to those groups in turn."""
+    if not groups:
+        return list(params)
+    return [dict(params=list(params[start::len(groups)]), **group) for start, group in enumerate(groups)]
+
+
+# Three param groups that differ only in lr and weight decay (layer-wise lr decay): their matrices share the step's
+# plan, each updated at its own group's rates.
+LR_DECAY_GROUPS = (dict(lr=LR, weight_decay=0.1), dict(lr=LR / 2, weight_decay=0.0), dict(lr=LR * 2, weight_decay=0.3))
+
+
 def run_pair(params: list[torch.Tensor], make_grad: Callable[[torch.Tensor], torch.Tensor],
               shapes: Sequence[tuple[int, ...]], nan_at: tuple[int, int, tuple[int, ...]] | None = None,
-              **options) -> tuple[Muon, Muon, list[torch.Tensor]]:
+              groups: Sequence[dict] = (), **options) -> tuple[Muon, Muon, list[torch.Tensor]]:
     """STEPS steps of Muon on `params` (distributed) and on plain copies of their global values (the truth),
-    with the same global gradients; `nan_at` = (param index, step, element) puts a NaN in one gradient."""
+    with the same global gradients, in `groups` (see `grouped`); `nan_at` = (param index, step, element) puts a NaN
+    in one gradient."""
     reference = [_global(p).detach().clone() for p in params]
-    ours = Muon(params, **(OPTIONS | options))
-    truth = Muon(reference, **(OPTIONS | options))  # the distribution-only options do nothing on one device
+    ours = Muon(grouped(params, groups), **(OPTIONS | options))
+    truth = Muon(grouped(reference, groups), **(OPTIONS | options))  # distribution-only options: nothing on one device
     for step in range(STEPS):
         grads = randn_tensors(shapes, seed=100 + step)
         if nan_at is not None and nan_at[1] == step:
@@ -198,6 +211,20 @@ def divided_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], s
         assert all(not all(plan.in_place) for plan in plans), [plan.in_place for plan in plans]
 
 
+def groups_by_lr_and_decay_case(world: int, placements: Sequence[Placement], **options) -> None:
+    """dtensor_case in LR_DECAY_GROUPS, whose matrices go through one plan per step, not one per group."""
+    step = submodule(optimizer, "distributed.step")
+    planned: list[int] = []
+
+    def recording(views, *args, **kwargs):
+        planned.append(len(views))
+        return real(views, *args, **kwargs)
+    real = step.plan_spread
+    with mock.patch.object(step, "plan_spread", recording):
+        dtensor_case((world,), placements, groups=LR_DECAY_GROUPS, **options)
+    assert planned == [len(SHAPES)] * STEPS, planned
+
+
 def nonfinite_shard_case(world: int) -> None:
     """A NaN in the last row of (10, 6), which only the last rank holds: every rank skips the whole matrix."""
     dtensor_case((world,), [Shard(0)], nan_at=(0, 1, (9, 2)))
@@ -234,15 +261,18 @@ def fsdp2_case(world: int, max_norm: float | None = None) -> None:
     assert_matches(list(model.parameters()), list(reference.parameters()), FP32_ATOL)
 
 
-def ddp_case(world: int, comm_dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL, **options) -> None:
-    """DistributedDataParallel (plain replicated tensors) with process_group: each rank orthogonalizes part of
-    the matrices; the replicas must stay bit-identical and match single-device Muon."""
+def ddp_case(world: int, comm_dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL,
+             groups: Sequence[dict] = (), **options) -> None:
+    """DistributedDataParallel (plain replicated tensors) with process_group, the parameters in `groups` (see
+    `grouped`): each rank orthogonalizes part of the matrices; the replicas must stay bit-identical and match
+    single-device Muon."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 6))
     reference = copy.deepcopy(model)
     wrapped = nn.parallel.DistributedDataParallel(model)
-    ours = Muon(model.parameters(), **OPTIONS, **options, comm_dtype=comm_dtype, process_group=dist.group.WORLD)
-    truth = Muon(reference.parameters(), **OPTIONS, **options)
+    ours = Muon(grouped(list(model.parameters()), groups), **(OPTIONS | options), comm_dtype=comm_dtype,
+                process_group=dist.group.WORLD)
+    truth = Muon(grouped(list(reference.parameters()), groups), **(OPTIONS | options))
     rank, per_rank = dist.get_rank(), 8  # 8 * world >= 12 samples: full-rank gradients (see BF16_ATOL)
     for step in range(STEPS):
         batch = torch.randn(world * per_rank, 12, generator=torch.Generator().manual_seed(300 + step))
@@ -390,6 +420,10 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
                                                          normalize_spatial=True),
         "nonfinite_on_one_shard_skips_everywhere": partial(nonfinite_shard_case, world),
         "ddp_process_group": partial(ddp_case, world),
+        "ddp_process_group_groups_by_lr_and_decay": partial(ddp_case, world, groups=LR_DECAY_GROUPS),
+        "shard0_groups_by_lr_and_decay": partial(groups_by_lr_and_decay_case, world, [Shard(0)]),
+        "shard1_groups_by_lr_and_decay_neuron": partial(groups_by_lr_and_decay_case, world, [Shard(1)],
+                                                        normalization="neuron"),
         "ddp_process_group_bf16_comm": partial(ddp_case, world, torch.bfloat16, TRAINED_BF16_ATOL),
         "shard0_bf16_comm_default": partial(dtensor_case, (world,), [Shard(0)], atol=BF16_ATOL, comm_dtype=None),
         # ns_dtype=None: on a CPU with fast bf16 products, stacks iterate in bf16 and lone small matrices in float32

@@ -280,13 +280,14 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
     `lr` and `weight_decay`: one for all items, or numbers, one per item in items' order, so that parameter groups
     which differ only in them (layer-wise lr decay: a group per block) share buckets and rounds."""
     workspace = workspace or Workspace()
-    rates = _rates(items, lr, weight_decay)
+    rates = per_item_rates(items, lr, weight_decay)
+    rate_of = None if rates is None else dict(zip(map(id, items), rates))
     for round_buckets in _rounds(buckets(items)):
         round_items = [item for bucket in round_buckets for item in bucket]
-        if rates is None:
+        if rate_of is None:
             round_lrs, round_decays = [lr] * len(round_items), [weight_decay] * len(round_items)
         else:
-            round_lrs, round_decays = zip(*(rates[id(item)] for item in round_items))
+            round_lrs, round_decays = zip(*(rate_of[id(item)] for item in round_items))
         device = round_items[0].param.device
         stacks = _stacks(round_buckets, workspace, orthogonalizer, device)
         finite = _momentum_into(round_buckets, stacks, momentum, nesterov)
@@ -314,19 +315,17 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
         _apply_update_(params, updates, _round_decay(skipped, round_lrs, round_decays, params[0].dtype), step_sizes)
 
 
-def _rates(items: Sequence[MuonTensors], lr: LearningRate | Sequence[float],
-           weight_decay: float | Sequence[float]) -> dict[int, tuple[LearningRate, float]] | None:
-    """Each item's (lr, weight decay) by its id where `muon_update` was given them per item; None where it was given
-    one of each for all."""
+def per_item_rates(items: Sequence[MuonTensors], lr: LearningRate | Sequence[float],
+                   weight_decay: float | Sequence[float]) -> list[tuple[LearningRate, float]] | None:
+    """Each item's (lr, weight decay), in items' order, where `lr` or `weight_decay` was given per item (the Muon
+    updates take one for all, or numbers one per item); None where one of each was given for all."""
     given = [isinstance(value, Sequence) for value in (lr, weight_decay)]
     if not any(given):
         return None
     for per_item, value in zip(given, (lr, weight_decay)):
         if per_item and len(value) != len(items):
             raise ValueError(f"{len(value)} learning rates or weight decays given for {len(items)} parameters")
-    lrs = lr if given[0] else repeat(lr)
-    decays = weight_decay if given[1] else repeat(weight_decay)
-    return {id(item): (item_lr, decay) for item, item_lr, decay in zip(items, lrs, decays)}
+    return list(zip(lr if given[0] else repeat(lr), weight_decay if given[1] else repeat(weight_decay)))
 
 
 def _round_decay(skipped: Tensor, lrs: Sequence[LearningRate], weight_decays: Sequence[float],

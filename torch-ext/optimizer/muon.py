@@ -695,26 +695,27 @@ class Muon(Optimizer):
         return state
 
     def _muon_steps(self, parts: list[tuple[dict[str, Any], list[MuonTensors]]]) -> None:
-        """Each group's Muon update (`_muon_step`), the local parameters of groups that share buckets in one
-        `muon_update` after the groups' spread ones."""
-        pending: dict[tuple, list[tuple[dict[str, Any], list[MuonTensors]]]] = {}
+        """Each group's Muon update (`_muon_step`), groups that share buckets in one call of each update."""
+        pending: dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors]]]]] = {}
         for group, items in parts:
             self._muon_step(group, items, pending)
-        for members in pending.values():
+        for update, members in pending.values():
             settings, items = members[0]
             if len(members) > 1:
-                items = [item for _, local in members for item in local]
-                settings = {**settings, **{name: [other[name] for other, local in members for _ in local]
+                items = [item for _, chosen in members for item in chosen]
+                settings = {**settings, **{name: [other[name] for other, chosen in members for _ in chosen]
                                            for name in _PER_ITEM_SETTINGS}}
-            staged_muon_update(items, workspace=self._workspace, **settings)
+            update(items, **settings)
 
     def _muon_step(self, group: dict[str, Any], items: list[MuonTensors],
-                   pending: dict[tuple, list[tuple[dict[str, Any], list[MuonTensors]]]]) -> None:
-        """One group's Muon update: its parameters spread over ranks now, its local ones added to `pending` under a
-        key equal for groups whose updates differ only in lr and weight decay (layer-wise lr decay: a group per
-        block), so that their same-shape matrices share buckets. GPT-2 small's structure at 1/96 width with a group
-        per block took 1.76x torch.optim.Muon's step time a group at a time (2-core Xeon). Some groups go alone
-        (`_shares_buckets`)."""
+                   pending: dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors]]]]]
+                   ) -> None:
+        """One group's Muon update, added to `pending` (an update and the groups' settings and items it takes): its
+        parameters spread over ranks for `distributed_muon_update`, its local ones for `staged_muon_update`, each
+        under a key equal for groups whose updates differ only in lr and weight decay (layer-wise lr decay: a group
+        per block), so that their same-shape matrices share buckets, and spread over ranks, the owners' plan and
+        its collectives. GPT-2 small's structure at 1/96 width with a group per block took 1.76x torch.optim.Muon's
+        step time a group at a time (2-core Xeon). Some groups go alone (`_shares_buckets`)."""
         if not items:
             return
         settings = _muon_settings(group, items[0].param.device)
@@ -723,17 +724,21 @@ class Muon(Optimizer):
         for item in items:
             (spread if is_spread(item.param, self.process_group) else local).append(item)
         if spread:
-            distributed_muon_update(spread, process_group=self.process_group, comm_dtype=group["comm_dtype"],
-                                    chunk_size=group["chunk_size"], **settings)
+            self._pend(pending, distributed_muon_update, spread, process_group=self.process_group,
+                       comm_dtype=group["comm_dtype"], chunk_size=group["chunk_size"], **settings)
         if local:
-            key = _shared_update_key(settings) if self._shares_buckets(settings) else (id(local),)
-            pending.setdefault(key, []).append((settings, local))
+            self._pend(pending, staged_muon_update, local, workspace=self._workspace, **settings)
+
+    def _pend(self, pending: dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors]]]]],
+              update: Callable[..., None], items: list[MuonTensors], **settings: Any) -> None:
+        key = (update, *_shared_update_key(settings)) if self._shares_buckets(settings) else (id(items),)
+        pending.setdefault(key, (update, []))[1].append((settings, items))
 
     def _shares_buckets(self, settings: dict[str, Any]) -> bool:
-        """Whether a group's local parameters may share `muon_update` calls with other groups': not with a tensor lr
-        (kept a tensor to the update), nor with offloaded state (streamed a bucket of one group at a time), nor while
-        a CUDA graph is captured from an eager step, whose replays would read the per-item decay factors from host
-        memory freed after the capture (`functional._on_device`; a compiled step holds them as constants)."""
+        """Whether a group's parameters may share update calls with other groups': not with a tensor lr (kept a
+        tensor to the update), nor with offloaded state (streamed a bucket of one group at a time), nor while a CUDA
+        graph is captured from an eager step, whose replays would read the per-item decay factors from host memory
+        freed after the capture (`functional._on_device`; a compiled step holds them as constants)."""
         if self.offload is not None or isinstance(settings["lr"], Tensor):
             return False
         # is_compiling first: the tracer folds it to True and reads nothing after it.

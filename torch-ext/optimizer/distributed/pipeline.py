@@ -41,8 +41,6 @@ class SpreadSettings:
     orthogonalizer: Orthogonalizer
     momentum: float
     nesterov: bool
-    lr: LearningRate
-    weight_decay: float
     adjust_lr_fn: str | None
     normalize_spatial: bool
     normalization: str | None
@@ -54,13 +52,15 @@ class SpreadItem:
     """One Muon parameter of the step, with its layout over the group, the shares its owners orthogonalize, its
     local gradient (set to NaN when another rank's shard of it is not finite, so that every rank skips it) and
     whether it is finite on every rank (a float32 0.0 or 1.0: a rank whose shard is empty learns it only from this
-    flag)."""
+    flag), and its param group's lr and weight decay."""
 
     tensors: MuonTensors
     layout: ShardLayout
     shares: tuple[Share, ...]
     grad: Tensor
     finite_everywhere: Tensor
+    lr: LearningRate
+    weight_decay: float
 
 
 def run_staggered(pipelines: Iterable[ChunkPipeline]) -> None:
@@ -126,10 +126,10 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings,
         if scales is not None:
             rms_scales = list(scales)
     for j, (item, update, rms_scale) in enumerate(zip(chunk, updates, rms_scales)):
-        step_size = update_step_size(settings.lr, settings.adjust_lr_fn, item.tensors.view,
-                                     settings.normalize_spatial, rms_scale)
+        step_size = update_step_size(item.lr, settings.adjust_lr_fn, item.tensors.view, settings.normalize_spatial,
+                                     rms_scale)
         apply_update(local_tensor(item.tensors.param), update, finite[j], item.tensors.nonfinite_skips,
-                     lr=settings.lr, weight_decay=settings.weight_decay, step_size=step_size)
+                     lr=item.lr, weight_decay=item.weight_decay, step_size=step_size)
     if copier is not None:
         copier.write_back(copies, staging.homes)
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import repeat
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import offload
-from ..functional import LearningRate, MuonTensors
+from ..functional import LearningRate, MuonTensors, per_item_rates
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
@@ -29,18 +30,22 @@ def is_spread(param: Tensor, process_group: dist.ProcessGroup | None) -> bool:
 
 
 def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist.ProcessGroup | None,
-                            comm_dtype: torch.dtype, chunk_size: int | None, lr: LearningRate, weight_decay: float,
-                            momentum: float, nesterov: bool, orthogonalizer: Orthogonalizer,
-                            adjust_lr_fn: str | None, normalize_spatial: bool, normalization: str | None,
-                            normalization_beta: float) -> None:
+                            comm_dtype: torch.dtype, chunk_size: int | None, lr: LearningRate | Sequence[float],
+                            weight_decay: float | Sequence[float], momentum: float, nesterov: bool,
+                            orthogonalizer: Orthogonalizer, adjust_lr_fn: str | None, normalize_spatial: bool,
+                            normalization: str | None, normalization_beta: float) -> None:
     """Muon's update for parameters spread over ranks, with the single-device result (up to `comm_dtype`
     rounding). DTensors run over the mesh dims that shard them (see `comm.spread_mesh_dims`), plain tensors over
     `process_group`. Parameters whose every rank holds whole matrices (expert banks sharded on the expert dim)
     are orthogonalized where they are, with no transfer, unless the RMS rule of a normalization needs the norm of
     the whole update or their holders would carry more than the mean work (`assignment.plan_spread`). Every rank
-    of those groups must call this with the same parameters in the same order."""
+    of those groups must call this with the same parameters in the same order. `lr` and `weight_decay`: one for
+    all, or numbers one per item (`muon_update`'s), so that param groups which differ only in them share the
+    plan, its chunks and their collectives."""
     rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
     iteration = (len(orthogonalizer.coefficients), orthogonalizer.algorithm, orthogonalizer.dtype)
+    rates = per_item_rates(items, lr, weight_decay)
+    rate_of = {id(item): rate for item, rate in zip(items, rates or repeat((lr, weight_decay)))}
     for (group, dims), group_items in _by_group(items, process_group).items():
         rank, world = comm.rank_and_world(group)
         layouts = [_layout(item.param, group, dims, world) for item in group_items]
@@ -48,18 +53,19 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         flags = everywhere.unbind()
         plan = plan_spread(tuple(item.view for item in group_items), tuple(layouts), world, *iteration,
                            group_items[0].param.device.type, chunk_size, keep_banks=not rms_rule)
-        _update_in_place([(item, grad, flag) for item, grad, flag, local in
-                          zip(group_items, grads, flags, plan.in_place) if local],
+        in_place = [(item, grad, flag) for item, grad, flag, local in zip(group_items, grads, flags, plan.in_place)
+                    if local]
+        _update_in_place(in_place, [rate_of[id(item)] for item, _, _ in in_place] if rates else None,
                          lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          orthogonalizer=orthogonalizer, adjust_lr_fn=adjust_lr_fn,
                          normalize_spatial=normalize_spatial, normalization=normalization,
                          normalization_beta=normalization_beta)
         if not plan.spread:
             continue
-        spread = [SpreadItem(group_items[j], layouts[j], item_shares, grads[j], flags[j])
-                  for j, item_shares in zip(plan.spread, plan.shares)]
-        settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, lr, weight_decay,
-                                  adjust_lr_fn, normalize_spatial, normalization, normalization_beta)
+        spread = [SpreadItem(group_items[j], layouts[j], item_shares, grads[j], flags[j],
+                             *rate_of[id(group_items[j])]) for j, item_shares in zip(plan.spread, plan.shares)]
+        settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, adjust_lr_fn,
+                                  normalize_spatial, normalization, normalization_beta)
         copier = (offload.CudaCopier(spread[0].grad.device)
                   if any(offload.offloaded(item.tensors) for item in spread) else None)
         run_staggered(chunk_pipeline([spread[i] for i in chunk], settings, copier) for chunk in plan.chunks)
@@ -114,10 +120,13 @@ def _agreed_local_grads(items: Sequence[MuonTensors], layouts: Sequence[ShardLay
     return grads, everywhere
 
 
-def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], **settings) -> None:
-    """Single-device Muon on each rank's own whole matrices of (item, agreed local grad, agreed flag)."""
+def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]],
+                     rates: Sequence[tuple[LearningRate, float]] | None, **settings) -> None:
+    """Single-device Muon on each rank's own whole matrices of (item, agreed local grad, agreed flag), each at its
+    (lr, weight decay) in `rates` where given (else the settings' one for all)."""
     local_items = []
-    for item, grad, flag in items:
+    local_rates = []
+    for index, (item, grad, flag) in enumerate(items):
         param = local_tensor(item.param)
         if param.numel() == 0:  # no matrices here, but the step counts must agree with the other ranks'
             item.nonfinite_skips.add_(flag.eq(0))
@@ -131,5 +140,10 @@ def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], **sett
         local_items.append(MuonTensors(param, grad, local_tensor(item.momentum_buffer), item.nonfinite_skips, view,
                                        local_or_none(item.second_moment), item.update_step, item.rounding_count,
                                        local_or_none(item.momentum_scales), positions))
-    if local_items:
-        offload.staged_muon_update(local_items, **settings)
+        if rates is not None:
+            local_rates.append(rates[index])
+    if not local_items:
+        return
+    if rates is not None:
+        settings["lr"], settings["weight_decay"] = map(list, zip(*local_rates))
+    offload.staged_muon_update(local_items, **settings)
