@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -23,8 +24,9 @@ def _model_params(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
 
 
-def _train(params: list[torch.Tensor], steps: int, **options) -> Muon:
-    opt = Muon(params, lr=0.02, **options)
+def _train(params: list[torch.Tensor], steps: int, groups: Callable[[list], list[dict]] | None = None,
+           **options) -> Muon:
+    opt = Muon(params if groups is None else groups(params), lr=0.02, **options)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for param in params:
@@ -68,6 +70,27 @@ def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead(monkeypatch, s
     adamw_schedule = (["fetch", "ready", "update", "write_back", "finish"] if adamw_group_bytes is None else
                       ["fetch", "ready", "fetch", "update", "write_back", "ready", "update", "write_back", "finish"])
     assert log == (muon_schedule + adamw_schedule) * 3
+
+
+def test_staged_groups_that_differ_only_in_lr_and_weight_decay_share_buckets_as_unstaged_ones_do(monkeypatch) -> None:
+    log: list[str] = []
+    batches: list[int] = []
+    update = offload_module.muon_update
+    monkeypatch.setattr(offload_module, "muon_update", lambda items, **settings: (batches.append(len(items)),
+                                                                                 update(items, **settings)))
+
+    def grouped(params: list[torch.Tensor]) -> list[dict]:
+        return [dict(params=params[0::2]), dict(params=params[1::2], lr=0.01, weight_decay=0.3)]
+    staged_params, plain_params = _model_params(0), _model_params(0)
+    with warnings.catch_warnings(), recorded_offload(log):
+        warnings.simplefilter("ignore")  # the CPU-only notice
+        _train(staged_params, 3, grouped, offload="cpu")
+    monkeypatch.undo()
+    _train(plain_params, 3, grouped)
+    for staged_param, plain_param in zip(staged_params, plain_params):
+        assert torch.equal(staged_param, plain_param)
+    # Per step, one staged update a bucket: the two groups' (32, 16) matrices together, then (24, 16) and (16, 48).
+    assert batches == [2, 1, 1] * 3
 
 
 def test_adamw_groups_fill_the_byte_budget_in_order_and_a_larger_parameter_goes_alone() -> None:

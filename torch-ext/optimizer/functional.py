@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import repeat
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -280,14 +280,10 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
     `lr` and `weight_decay`: one for all items, or numbers, one per item in items' order, so that parameter groups
     which differ only in them (layer-wise lr decay: a group per block) share buckets and rounds."""
     workspace = workspace or Workspace()
-    rates = per_item_rates(items, lr, weight_decay)
-    rate_of = None if rates is None else dict(zip(map(id, items), rates))
+    rates = Rates(items, lr, weight_decay)
     for round_buckets in _rounds(buckets(items)):
         round_items = [item for bucket in round_buckets for item in bucket]
-        if rate_of is None:
-            round_lrs, round_decays = [lr] * len(round_items), [weight_decay] * len(round_items)
-        else:
-            round_lrs, round_decays = zip(*(rate_of[id(item)] for item in round_items))
+        round_lrs, round_decays = rates.of(round_items)
         device = round_items[0].param.device
         stacks = _stacks(round_buckets, workspace, orthogonalizer, device)
         finite = _momentum_into(round_buckets, stacks, momentum, nesterov)
@@ -315,17 +311,35 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
         _apply_update_(params, updates, _round_decay(skipped, round_lrs, round_decays, params[0].dtype), step_sizes)
 
 
-def per_item_rates(items: Sequence[MuonTensors], lr: LearningRate | Sequence[float],
-                   weight_decay: float | Sequence[float]) -> list[tuple[LearningRate, float]] | None:
-    """Each item's (lr, weight decay), in items' order, where `lr` or `weight_decay` was given per item (the Muon
-    updates take one for all, or numbers one per item); None where one of each was given for all."""
-    given = [isinstance(value, Sequence) for value in (lr, weight_decay)]
-    if not any(given):
-        return None
-    for per_item, value in zip(given, (lr, weight_decay)):
-        if per_item and len(value) != len(items):
-            raise ValueError(f"{len(value)} learning rates or weight decays given for {len(items)} parameters")
-    return list(zip(lr if given[0] else repeat(lr), weight_decay if given[1] else repeat(weight_decay)))
+class Rates:
+    """Each item's lr and weight decay, from a Muon update's `lr` and `weight_decay`: one for all, or numbers one per
+    item in items' order (param groups that differ only in them share one update)."""
+
+    def __init__(self, items: Sequence[MuonTensors], lr: LearningRate | Sequence[float],
+                 weight_decay: float | Sequence[float]) -> None:
+        given = [isinstance(value, Sequence) for value in (lr, weight_decay)]
+        for per_item, value in zip(given, (lr, weight_decay)):
+            if per_item and len(value) != len(items):
+                raise ValueError(f"{len(value)} learning rates or weight decays given for {len(items)} parameters")
+        self.common = None if any(given) else (lr, weight_decay)
+        self._by_item = {} if self.common is not None else {
+            id(item): rate for item, rate in zip(items, zip(lr if given[0] else repeat(lr),
+                                                            weight_decay if given[1] else repeat(weight_decay)))}
+
+    def of(self, some: Sequence[MuonTensors]) -> tuple[list[LearningRate], list[float]]:
+        """The lrs and the weight decays of some of the items, in their order."""
+        if self.common is not None:
+            return [self.common[0]] * len(some), [self.common[1]] * len(some)
+        rates = [self._by_item[id(item)] for item in some]
+        return [rate[0] for rate in rates], [rate[1] for rate in rates]
+
+    def settings_for(self, some: Sequence[MuonTensors], settings: dict[str, Any]) -> dict[str, Any]:
+        """An update's `settings` with the lr and weight decay of some of the items (as they are where one of each
+        is for all)."""
+        if self.common is not None:
+            return settings
+        lrs, decays = self.of(some)
+        return {**settings, "lr": lrs, "weight_decay": decays}
 
 
 def _round_decay(skipped: Tensor, lrs: Sequence[LearningRate], weight_decays: Sequence[float],

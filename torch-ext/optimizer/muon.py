@@ -736,10 +736,10 @@ class Muon(Optimizer):
 
     def _shares_buckets(self, settings: dict[str, Any]) -> bool:
         """Whether a group's parameters may share update calls with other groups': not with a tensor lr (kept a
-        tensor to the update), nor with offloaded state (streamed a bucket of one group at a time), nor while a CUDA
-        graph is captured from an eager step, whose replays would read the per-item decay factors from host memory
-        freed after the capture (`functional._on_device`; a compiled step holds them as constants)."""
-        if self.offload is not None or isinstance(settings["lr"], Tensor):
+        tensor to the update), nor while a CUDA graph is captured from an eager step, whose replays would read the
+        per-item decay factors from host memory freed after the capture (`functional._on_device`; a compiled step
+        holds them as constants)."""
+        if isinstance(settings["lr"], Tensor):
             return False
         # is_compiling first: the tracer folds it to True and reads nothing after it.
         return torch.compiler.is_compiling() or not (torch.cuda.is_available()

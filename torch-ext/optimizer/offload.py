@@ -21,7 +21,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from .functional import AdamWTensors, MuonTensors, adamw_update, buckets, by_device, muon_update, nonfinite_flags
+from .functional import (AdamWTensors, MuonTensors, Rates, adamw_update, buckets, by_device, muon_update,
+                         nonfinite_flags)
 from .state_precision import MOMENT_KEYS, scale_key
 
 OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
@@ -157,12 +158,16 @@ def _record_stream(copies: Sequence[Tensor], stream: torch.cuda.Stream) -> None:
 
 def staged_muon_update(items: list[MuonTensors], **settings: Any) -> None:
     """`muon_update`, or with offloaded state, one bucket at a time with its state streamed to the parameters' GPU a
-    bucket ahead."""
+    bucket ahead (`run_staged` updates the buckets in order, so each takes the next of their settings)."""
     if not any_offloaded(items):
         muon_update(items, **settings)
         return
+    rates = Rates(items, settings["lr"], settings["weight_decay"])
     for device, device_items in by_device(items).items():
-        run_staged(buckets(device_items), lambda bucket: muon_update(bucket, **settings), CudaCopier(device))
+        device_buckets = buckets(device_items)
+        # Each bucket's lrs and weight decays, found by its items before their state is staged (in new items).
+        bucket_settings = iter([rates.settings_for(bucket, settings) for bucket in device_buckets])
+        run_staged(device_buckets, lambda bucket: muon_update(bucket, **next(bucket_settings)), CudaCopier(device))
 
 
 def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, **settings: Any) -> None:

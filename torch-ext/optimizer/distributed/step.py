@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from itertools import repeat
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import offload
-from ..functional import LearningRate, MuonTensors, per_item_rates
+from ..functional import LearningRate, MuonTensors, Rates
 from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
@@ -44,8 +43,7 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
     plan, its chunks and their collectives."""
     rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
     iteration = (len(orthogonalizer.coefficients), orthogonalizer.algorithm, orthogonalizer.dtype)
-    rates = per_item_rates(items, lr, weight_decay)
-    rate_of = {id(item): rate for item, rate in zip(items, rates or repeat((lr, weight_decay)))}
+    rates = Rates(items, lr, weight_decay)
     for (group, dims), group_items in _by_group(items, process_group).items():
         rank, world = comm.rank_and_world(group)
         layouts = [_layout(item.param, group, dims, world) for item in group_items]
@@ -53,17 +51,17 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         flags = everywhere.unbind()
         plan = plan_spread(tuple(item.view for item in group_items), tuple(layouts), world, *iteration,
                            group_items[0].param.device.type, chunk_size, keep_banks=not rms_rule)
-        in_place = [(item, grad, flag) for item, grad, flag, local in zip(group_items, grads, flags, plan.in_place)
-                    if local]
-        _update_in_place(in_place, [rate_of[id(item)] for item, _, _ in in_place] if rates else None,
+        _update_in_place([(item, grad, flag) for item, grad, flag, local in
+                          zip(group_items, grads, flags, plan.in_place) if local], rates,
                          lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          orthogonalizer=orthogonalizer, adjust_lr_fn=adjust_lr_fn,
                          normalize_spatial=normalize_spatial, normalization=normalization,
                          normalization_beta=normalization_beta)
         if not plan.spread:
             continue
-        spread = [SpreadItem(group_items[j], layouts[j], item_shares, grads[j], flags[j],
-                             *rate_of[id(group_items[j])]) for j, item_shares in zip(plan.spread, plan.shares)]
+        spread_lrs, spread_decays = rates.of([group_items[j] for j in plan.spread])
+        spread = [SpreadItem(group_items[j], layouts[j], item_shares, grads[j], flags[j], item_lr, decay)
+                  for j, item_shares, item_lr, decay in zip(plan.spread, plan.shares, spread_lrs, spread_decays)]
         settings = SpreadSettings(group, rank, comm_dtype, orthogonalizer, momentum, nesterov, adjust_lr_fn,
                                   normalize_spatial, normalization, normalization_beta)
         copier = (offload.CudaCopier(spread[0].grad.device)
@@ -120,13 +118,12 @@ def _agreed_local_grads(items: Sequence[MuonTensors], layouts: Sequence[ShardLay
     return grads, everywhere
 
 
-def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]],
-                     rates: Sequence[tuple[LearningRate, float]] | None, **settings) -> None:
+def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], rates: Rates, **settings) -> None:
     """Single-device Muon on each rank's own whole matrices of (item, agreed local grad, agreed flag), each at its
-    (lr, weight decay) in `rates` where given (else the settings' one for all)."""
+    rates."""
     local_items = []
-    local_rates = []
-    for index, (item, grad, flag) in enumerate(items):
+    updated = []
+    for item, grad, flag in items:
         param = local_tensor(item.param)
         if param.numel() == 0:  # no matrices here, but the step counts must agree with the other ranks'
             item.nonfinite_skips.add_(flag.eq(0))
@@ -140,10 +137,6 @@ def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]],
         local_items.append(MuonTensors(param, grad, local_tensor(item.momentum_buffer), item.nonfinite_skips, view,
                                        local_or_none(item.second_moment), item.update_step, item.rounding_count,
                                        local_or_none(item.momentum_scales), positions))
-        if rates is not None:
-            local_rates.append(rates[index])
-    if not local_items:
-        return
-    if rates is not None:
-        settings["lr"], settings["weight_decay"] = map(list, zip(*local_rates))
-    offload.staged_muon_update(local_items, **settings)
+        updated.append(item)
+    if local_items:
+        offload.staged_muon_update(local_items, **rates.settings_for(updated, settings))
