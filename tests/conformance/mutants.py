@@ -4,7 +4,9 @@
 for the session); `python tests/conformance/mutants.py [name ...]` runs each mutant against the tests meant to catch
 it and prints whether they did. A mutant is caught when at least one selected test fails. The breakages patch
 private names of the product (muon.py, functional.py), so they follow its internals: a mutant whose target has moved
-fails loudly when applied (AttributeError), never silently.
+fails loudly when applied (AttributeError); one whose target stays but no longer takes part in the step (routing once
+asked `Muon._uses_muon`, then a module function) is caught only by running it, which the suite does
+(test_conformance_mutants.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,10 +65,15 @@ def _items_filtered(keep: Callable[[Any], bool]) -> Callable[[type, Any, Any], N
     def wrap(real: Callable) -> Callable:
         def filtered(items: list, *args: Any, **kwargs: Any) -> Any:
             kept = [i for i, item in enumerate(items) if keep(item)]
-            args = tuple(arg[kept] if isinstance(arg, torch.Tensor) and len(arg) == len(items)
-                         else [arg[i] for i in kept] if isinstance(arg, list | tuple) and len(arg) == len(items) else arg
-                         for arg in args)
-            return real([items[i] for i in kept], *args, **kwargs)
+
+            def beside(arg: Any) -> Any:  # a tensor or list of one entry per item (flags, per-item lrs): filtered too
+                if isinstance(arg, torch.Tensor) and len(arg) == len(items):
+                    return arg[kept]
+                if isinstance(arg, list | tuple) and len(arg) == len(items):
+                    return [arg[i] for i in kept]
+                return arg
+            return real([items[i] for i in kept], *map(beside, args), **{key: beside(value)
+                                                                       for key, value in kwargs.items()})
         return filtered
 
     def apply(muon: type, module: Any, functional: Any) -> None:
@@ -83,8 +91,9 @@ def _updates_a_contiguous_copy(muon: type, module: Any, functional: Any) -> None
 
 
 def _route_every_matrix_to_muon(muon: type, module: Any, functional: Any) -> None:
-    _replace(muon, "_uses_muon", lambda real: lambda self, group, param: (
-        group["use_muon"] if group["use_muon"] is not None else param.ndim >= 2))
+    _replace(module, "_view", lambda real: lambda group, param: real(
+        {**group, "use_muon": True} if group["use_muon"] is None and param.ndim >= 2 and param.numel() else group,
+        param))
 
 
 def _empty_parameter_stalls_its_group(muon: type, module: Any, functional: Any) -> None:
@@ -227,7 +236,7 @@ MUTANTS: dict[str, Mutant] = {
                            _items_filtered(lambda item: str(item.param.dtype) == "torch.float32")),
     "strided_copy_updated": Mutant("a strided parameter's update goes to a copy", "strided",
                                    _updates_a_contiguous_copy),
-    "degenerate_to_muon": Mutant("1x1 matrices (and empty ones) are routed to Muon", "one_by_one",
+    "degenerate_to_muon": Mutant("1x1 matrices are routed to Muon", "one_by_one",
                                  _route_every_matrix_to_muon),
     "empty_parameter_stalls_group": Mutant("a group holding an empty parameter does not step", "zero_size",
                                            _empty_parameter_stalls_its_group),
@@ -274,22 +283,28 @@ def apply(name: str) -> None:
     MUTANTS[name].apply(Muon, muon_module, functional)
 
 
-def run(names: list[str]) -> int:
-    """Each mutant against its tests, in a fresh pytest process; returns how many were not caught."""
-    missed = 0
-    for name in names:
-        mutant = MUTANTS[name]
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE), "-k",
-                                 mutant.selects], env={**os.environ, "CONFORMANCE_MUTANT": name},
-                                capture_output=True, text=True, cwd=HERE.parents[1])
-        # A mutant whose target has moved stops pytest before any test runs, saying why on stderr.
-        summary = (result.stdout.strip().splitlines() or result.stderr.strip().splitlines() or ["(no output)"])[-1]
-        failed = re.search(r"(\d+) failed", summary)
-        caught = failed is not None and int(failed.group(1)) > 0
-        missed += not caught
-        print(f"{'caught' if caught else 'MISSED'}  {name:30} {mutant.breaks}  [-k '{mutant.selects}']: {summary}")
-    return missed
+def run(names: list[str], workers: int = 1) -> int:
+    """Each mutant against its tests, in a fresh pytest process, `workers` processes at a time; prints each outcome in
+    `names`' order and returns how many were not caught."""
+    with ThreadPoolExecutor(workers) as pool:
+        outcomes = list(pool.map(_outcome, names))
+    for _, line in outcomes:
+        print(line)
+    return sum(not caught for caught, _ in outcomes)
+
+
+def _outcome(name: str) -> tuple[bool, str]:
+    """Whether the mutant's tests caught it (at least one failed), and a line saying so."""
+    mutant = MUTANTS[name]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE), "-k",
+                             mutant.selects], env={**os.environ, "CONFORMANCE_MUTANT": name},
+                            capture_output=True, text=True, cwd=HERE.parents[1])
+    # A mutant whose target has moved stops pytest before any test runs, saying why on stderr.
+    summary = (result.stdout.strip().splitlines() or result.stderr.strip().splitlines() or ["(no output)"])[-1]
+    failed = re.search(r"(\d+) failed", summary)
+    caught = failed is not None and int(failed.group(1)) > 0
+    return caught, f"{'caught' if caught else 'MISSED'}  {name:30} {mutant.breaks}  [-k '{mutant.selects}']: {summary}"
 
 
 if __name__ == "__main__":
-    sys.exit(1 if run(sys.argv[1:] or list(MUTANTS)) else 0)
+    sys.exit(1 if run(sys.argv[1:] or list(MUTANTS), workers=os.cpu_count() or 1) else 0)

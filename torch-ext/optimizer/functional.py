@@ -321,22 +321,22 @@ class Rates:
         for per_item, value in zip(given, (lr, weight_decay)):
             if per_item and len(value) != len(items):
                 raise ValueError(f"{len(value)} learning rates or weight decays given for {len(items)} parameters")
-        self.common = None if any(given) else (lr, weight_decay)
-        self._by_item = {} if self.common is not None else {
+        self._common = None if any(given) else (lr, weight_decay)
+        self._by_item = {} if self._common is not None else {
             id(item): rate for item, rate in zip(items, zip(lr if given[0] else repeat(lr),
                                                             weight_decay if given[1] else repeat(weight_decay)))}
 
     def of(self, some: Sequence[MuonTensors]) -> tuple[list[LearningRate], list[float]]:
         """The lrs and the weight decays of some of the items, in their order."""
-        if self.common is not None:
-            return [self.common[0]] * len(some), [self.common[1]] * len(some)
+        if self._common is not None:
+            return [self._common[0]] * len(some), [self._common[1]] * len(some)
         rates = [self._by_item[id(item)] for item in some]
         return [rate[0] for rate in rates], [rate[1] for rate in rates]
 
     def settings_for(self, some: Sequence[MuonTensors], settings: dict[str, Any]) -> dict[str, Any]:
         """An update's `settings` with the lr and weight decay of some of the items (as they are where one of each
         is for all)."""
-        if self.common is not None:
+        if self._common is not None:
             return settings
         lrs, decays = self.of(some)
         return {**settings, "lr": lrs, "weight_decay": decays}

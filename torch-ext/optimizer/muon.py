@@ -339,13 +339,14 @@ def _muon_settings(group: dict[str, Any], device: torch.device) -> dict[str, Any
                 normalization=group["normalization"], normalization_beta=_as_real(group["adamw_betas"][1]))
 
 
-# The settings `muon_update` takes one per parameter, where groups share a call.
+# The settings the Muon updates take one per parameter, where groups share a call.
 _PER_ITEM_SETTINGS = ("lr", "weight_decay")
+# Updates waiting for the groups that share them: key -> (the update, each group's settings and items).
+_Pending = dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors]]]]]
 
 
 def _shared_update_key(settings: dict[str, Any]) -> tuple:
-    """Equal for groups whose Muon updates may share one `muon_update` call: all their settings but lr and weight
-    decay equal."""
+    """Equal for groups whose Muon updates may share one call: all their settings but lr and weight decay equal."""
     return tuple((name, value.recipe if isinstance(value, Orthogonalizer) else value)
                  for name, value in settings.items() if name not in _PER_ITEM_SETTINGS)
 
@@ -696,7 +697,7 @@ class Muon(Optimizer):
 
     def _muon_steps(self, parts: list[tuple[dict[str, Any], list[MuonTensors]]]) -> None:
         """Each group's Muon update (`_muon_step`), groups that share buckets in one call of each update."""
-        pending: dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors]]]]] = {}
+        pending: _Pending = {}
         for group, items in parts:
             self._muon_step(group, items, pending)
         for update, members in pending.values():
@@ -707,15 +708,13 @@ class Muon(Optimizer):
                                            for name in _PER_ITEM_SETTINGS}}
             update(items, **settings)
 
-    def _muon_step(self, group: dict[str, Any], items: list[MuonTensors],
-                   pending: dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors]]]]]
-                   ) -> None:
+    def _muon_step(self, group: dict[str, Any], items: list[MuonTensors], pending: _Pending) -> None:
         """One group's Muon update, added to `pending` (an update and the groups' settings and items it takes): its
         parameters spread over ranks for `distributed_muon_update`, its local ones for `staged_muon_update`, each
         under a key equal for groups whose updates differ only in lr and weight decay (layer-wise lr decay: a group
         per block), so that their same-shape matrices share buckets, and spread over ranks, the owners' plan and
         its collectives. GPT-2 small's structure at 1/96 width with a group per block took 1.76x torch.optim.Muon's
-        step time a group at a time (2-core Xeon). Some groups go alone (`_shares_buckets`)."""
+        step time a group at a time (2-core Xeon). Some groups go alone (`_shares_updates`)."""
         if not items:
             return
         settings = _muon_settings(group, items[0].param.device)
@@ -729,12 +728,13 @@ class Muon(Optimizer):
         if local:
             self._pend(pending, staged_muon_update, local, workspace=self._workspace, **settings)
 
-    def _pend(self, pending: dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors]]]]],
-              update: Callable[..., None], items: list[MuonTensors], **settings: Any) -> None:
-        key = (update, *_shared_update_key(settings)) if self._shares_buckets(settings) else (id(items),)
+    def _pend(self, pending: _Pending, update: Callable[..., None], items: list[MuonTensors], **settings: Any) -> None:
+        """`items` for `update` with `settings`, with the items of other groups whose settings differ only in the
+        rates, or alone."""
+        key = (update, *_shared_update_key(settings)) if self._shares_updates(settings) else (id(items),)
         pending.setdefault(key, (update, []))[1].append((settings, items))
 
-    def _shares_buckets(self, settings: dict[str, Any]) -> bool:
+    def _shares_updates(self, settings: dict[str, Any]) -> bool:
         """Whether a group's parameters may share update calls with other groups': not with a tensor lr (kept a
         tensor to the update), nor while a CUDA graph is captured from an eager step, whose replays would read the
         per-item decay factors from host memory freed after the capture (`functional._on_device`; a compiled step
