@@ -732,8 +732,9 @@ class Muon(Optimizer):
 
     def _pend(self, pending: _Pending, update: Callable[..., None], items: list[MuonTensors], **settings: Any) -> None:
         """`items` for `update` with `settings`, with the items of other groups whose settings differ only in the
-        rates, or alone."""
-        key = (update, *_shared_update_key(settings)) if self._shares_updates(settings) else (id(items),)
+        rates, or alone: under a key no other takes (the count of keys so far; dynamo up to torch 2.11 cannot trace
+        `id` of a list, which failed every compiled step with a tensor lr on an H100)."""
+        key = (update, *_shared_update_key(settings)) if self._shares_updates(settings) else (len(pending),)
         pending.setdefault(key, (update, []))[1].append((settings, items))
 
     def _shares_updates(self, settings: dict[str, Any]) -> bool:
