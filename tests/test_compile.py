@@ -15,6 +15,7 @@ from torch import nn
 from torch._dynamo.testing import EagerAndRecordGraphs
 
 from kernel_under_test import optimizer, submodule
+from triton_under_test import DEVICE, needs_kernels
 
 dispatch = submodule(optimizer, "dispatch")
 ROWS = dispatch.CPU_MIN_ROWS + 8  # large enough for the compiled CPU symmetric op
@@ -58,6 +59,21 @@ def test_zeropower_compiles_to_one_graph_with_the_compiled_op() -> None:
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
     targets = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
     assert sum("symmetric_gram_" in target for target in targets) == 5 * CPU_OP_CALLS_PER_STEP  # X Xᵀ, then bA + cA²
+    compiled = torch.compile(orthogonalize, fullgraph=True)(G)
+    torch.testing.assert_close(compiled, orthogonalize(G), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_zeropower_on_the_triton_kernels_compiles_to_one_graph() -> None:
+    # Each Triton product is one opaque op of the graph (triton_ops.py). Traced into, the launcher broke the graph on
+    # an H100, and the frames resumed after the breaks recompiled for each coefficient up to dynamo's limit.
+    fresh_compile_state()
+    G = torch.randn(40, 72, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    orthogonalize = lambda g: optimizer.zeropower(g, 5, dtype=torch.float32, backend="triton")  # noqa: E731
+    explanation = torch._dynamo.explain(orthogonalize)(G)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    targets = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes]
+    assert [sum(f"_triton.{name}." in target for target in targets) for name in ("xxt", "ba_plus_caa")] == [5, 5]
     compiled = torch.compile(orthogonalize, fullgraph=True)(G)
     torch.testing.assert_close(compiled, orthogonalize(G), rtol=1e-5, atol=1e-5)
 

@@ -105,8 +105,8 @@ def test_triton_float32_products_follow_torch_matmul_precision(monkeypatch: pyte
     # Triton's TF32 truncates (measured 2.2x cuBLAS's TF32 error on an H100), so it is used only where torch.mm
     # itself would use TF32.
     seen: list[bool] = []
-    monkeypatch.setattr(dispatch, "xxt", lambda X, exact_fp32: seen.append(exact_fp32) or X @ X.mT)
-    monkeypatch.setattr(dispatch, "ba_plus_caa", lambda A, b, c, exact_fp32: seen.append(exact_fp32) or A)
+    monkeypatch.setattr(dispatch, "gram_product", lambda X, exact_fp32: seen.append(exact_fp32) or X @ X.mT)
+    monkeypatch.setattr(dispatch, "polynomial_product", lambda A, b, c, exact_fp32: seen.append(exact_fp32) or A)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:

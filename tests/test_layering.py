@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "torch-ext" / "optimizer"
 # The modules that do the math on plain tensors; muon.py (the orchestration) and qk_clip.py (which clips DTensor
 # weights too) may use the distributed layer.
 SINGLE_DEVICE = ("coefficients.py", "dispatch.py", "functional.py", "native.py", "newton_schulz.py", "normalization.py",
-                 "offload.py", "precision.py", "routing.py", "state_precision.py")
+                 "offload.py", "precision.py", "routing.py", "state_precision.py", "triton_ops.py")
 
 
 def imported_packages(path: Path) -> set[str]:

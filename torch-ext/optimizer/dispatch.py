@@ -17,7 +17,8 @@ from torch import Tensor
 
 from . import native
 from .precision import cpu_matrix_units, cuda_capability
-from .triton_kernels import TRITON_AVAILABLE, ba_plus_caa, xxt
+from .triton_kernels import TRITON_AVAILABLE
+from .triton_ops import gram_product, polynomial_product
 
 BACKENDS: tuple[str, ...] = ("torch", "cpu", "cuda", "triton")
 
@@ -137,7 +138,7 @@ def symmetric_gram(X: Tensor, backend: str, out: Tensor | None = None) -> Tensor
     if backend == "torch":
         return matmul(X, X.mT, out=out)
     if backend == "triton":
-        return _into(out, xxt(X, exact_fp32=_exact_fp32()))
+        return _into(out, gram_product(X, _exact_fp32()))
     if out is None:
         out = torch.empty((*X.shape[:-1], X.shape[-2]), dtype=X.dtype, device=X.device)
     return native.symmetric_gram_(out, X)
@@ -150,7 +151,7 @@ def symmetric_polynomial(A: Tensor, b: float, c: float, backend: str, out: Tenso
         add_matmul = torch.addmm if A.ndim == 2 else torch.baddbmm
         return add_matmul(A, A, A, beta=b, alpha=c, out=out)
     if backend == "triton":
-        return _into(out, ba_plus_caa(A, b, c, exact_fp32=_exact_fp32()))
+        return _into(out, polynomial_product(A, b, c, _exact_fp32()))
     if out is None:
         out = torch.empty_like(A, memory_format=torch.contiguous_format)
     return native.symmetric_gram_(out, A, A, c, b)
@@ -162,6 +163,9 @@ def _into(out: Tensor | None, result: Tensor) -> Tensor:
     return result if out is None else out.copy_(result)
 
 
+# A constant of a compiled step (dynamo cannot trace the string it reads), which dynamo's global-state guard on
+# TF32 recompiles when the precision changes.
+@torch.compiler.assume_constant_result
 def _exact_fp32() -> bool:
     """float32 products as torch.mm makes them: full precision unless the user allowed TF32
     (`torch.set_float32_matmul_precision("high")`). On an H100 Triton's TF32 Gram erred 2.2x more than cuBLAS's TF32
