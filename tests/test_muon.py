@@ -834,6 +834,55 @@ def test_a_group_made_invalid_after_construction_changes_nothing() -> None:
     assert torch.equal(first, before) and len(opt.state) == 0
 
 
+@pytest.mark.parametrize("change", ["a new value", "a list changed in place", "a tensor lr filled in place",
+                                    "False replaced by 0"])
+def test_a_group_made_invalid_after_a_step_is_refused_at_the_next(change: str) -> None:
+    # Steps keep what they checked while a group's options are the very same objects: whatever changes one, or
+    # changes it in place, is checked again.
+    first, second = torch.randn(6, 6), torch.randn(6, 6)
+    lr = torch.tensor(0.02)
+    opt = Muon([dict(params=[first]), dict(params=[second], adamw_betas=[0.9, 0.95], lr=lr)])
+    seeded_grads([first, second], 0)
+    opt.step()
+    group = opt.param_groups[1]
+    expected = {"a new value": "momentum", "a list changed in place": "beta", "a tensor lr filled in place": "lr",
+                "False replaced by 0": "scale_eps"}[change]
+    if change == "a new value":
+        group["momentum"] = 1.5
+    elif change == "a list changed in place":
+        group["adamw_betas"][0] = 1.5
+    elif change == "a tensor lr filled in place":
+        lr.fill_(-1.0)
+    else:
+        opt.param_groups[0]["scale_eps"] = 0  # False before
+    seeded_grads([first, second], 1)
+    before = [first.clone(), second.clone()]
+    with pytest.raises(ValueError, match=expected):
+        opt.step()
+    assert torch.equal(first, before[0]) and torch.equal(second, before[1])
+
+
+def test_options_changed_between_steps_take_effect_as_in_torch_muon() -> None:
+    # What a step derives from a group (its Newton-Schulz recipe, momentum, rates) follows each change, as
+    # torch.optim.Muon reads its groups afresh at every step.
+    ours = [torch.randn(16, 24, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    theirs = [param.clone() for param in ours]
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5, eps=1e-7)
+    opt = Muon(ours, ns_coefficients="original", ns_dtype=torch.bfloat16, adjust_lr_fn="original", **settings)
+    ref = torch.optim.Muon(theirs, ns_coefficients=(3.4445, -4.7750, 2.0315), adjust_lr_fn="original", **settings)
+    changes = [{}, dict(lr=0.01), dict(momentum=0.8, nesterov=False), dict(weight_decay=0.3, ns_steps=3), {}]
+    update_size = 0.02 / math.sqrt(16)  # the largest lr's, as test_matches_torch_muon bounds bf16's roundings
+    for step, change in enumerate(changes):
+        for optimizer_ in (opt, ref):
+            optimizer_.param_groups[0].update(change)
+        seeded_grads(ours, step)
+        seeded_grads(theirs, step)
+        opt.step()
+        ref.step()
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p, q, rtol=0, atol=0.01 * update_size * (step + 1))
+
+
 def test_a_refused_complex_gradient_leaves_no_state() -> None:
     real, complex_param = torch.randn(6, 6), torch.randn(6, 6, dtype=torch.complex64)
     opt = Muon([dict(params=[real]), dict(params=[complex_param])])

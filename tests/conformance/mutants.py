@@ -218,6 +218,10 @@ def _lr_from_defaults(muon: type, module: Any, functional: Any) -> None:
         _group_value(method, "lr", lambda self, group: self.defaults["lr"])(muon, module, functional)
 
 
+def _kept_options_go_stale(muon: type, module: Any, functional: Any) -> None:
+    _replace(module._Kept, "holds", lambda real: lambda self, options: True)
+
+
 def _own_wording_only(muon: type, module: Any, functional: Any) -> None:
     _replace(module, "_TORCH_WORDING", lambda real: {})
 
@@ -270,6 +274,8 @@ MUTANTS: dict[str, Mutant] = {
     "lr_scale_off_3_percent": Mutant("Muon's per-matrix lr scale is 3% too large",
                                      "torch_muon or test_step_equals_torch", _lr_scale_off_by_3_percent),
     "non_2d_refused": Mutant("non-2D parameters are refused as torch.optim.Muon does", "non_2d", _non_2d_refused),
+    "kept_options_go_stale": Mutant("a step keeps what it derived from a group's options after they change",
+                                    "scheduled_values", _kept_options_go_stale),
     "own_wording_only": Mutant("error messages leave out torch.optim's wording", "torchs_error_case",
                                _own_wording_only),
 }
