@@ -63,6 +63,26 @@ def test_five_steps_match_torch_fused_adamw(dtype: torch.dtype, betas: tuple[flo
             assert ((mine.float() - torch_value.float()).abs() <= bound).all()
 
 
+def test_rates_per_parameter_match_torch_fused_adamw_with_a_group_each() -> None:
+    # Param groups that differ only in lr and weight decay share one call, each parameter with its group's.
+    rates = [(0.01, 0.1), (0.003, 0.0), (0.02, 0.3)]
+    ours, theirs = _parameters(3), _parameters(3)
+    state = _ours(ours)
+    reference = torch.optim.AdamW([dict(params=[param], lr=lr, weight_decay=decay)
+                                   for param, (lr, decay) in zip(theirs, rates)], betas=(0.9, 0.95), eps=1e-8,
+                                  fused=True)
+    for step in range(3):
+        grads = _grads(ours, step)
+        for param, grad in zip(theirs, grads):
+            param.grad = grad.clone()
+        native.adamw_checked_(ours, grads, state["exp_avgs"], state["exp_avg_sqs"], state["steps"], None,
+                              lr=[lr for lr, _ in rates], betas=(0.9, 0.95), eps=1e-8,
+                              weight_decay=[decay for _, decay in rates])
+        reference.step()
+    for param, expected in zip(ours, theirs):
+        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 def test_the_check_flags_exactly_the_nonfinite_gradients_and_skips_only_them(bad: float, dtype: torch.dtype) -> None:
@@ -97,7 +117,7 @@ def _bad_calls() -> list[tuple[str, dict, str]]:
     def arguments(**changes) -> dict:
         call = dict(params=[torch.zeros(4, 8)], grads=[torch.zeros(4, 8)], exp_avgs=[torch.zeros(4, 8)],
                     exp_avg_sqs=[torch.zeros(4, 8)], steps=[torch.tensor(1.0)], found_inf=torch.zeros(1), check=True,
-                    lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
+                    lr=[0.1], beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=[0.0])
         call.update(changes)
         return call
 
@@ -112,6 +132,8 @@ def _bad_calls() -> list[tuple[str, dict, str]]:
         ("step dtype", arguments(steps=[torch.tensor(1)]), r"steps\[0\] must be one float32"),
         ("flags shape", arguments(found_inf=torch.zeros(2)), "found_inf must be a contiguous float32 tensor of shape"),
         ("beta1 of 1", arguments(beta1=1.0), r"beta1 must be in \[0, 1\)"),
+        ("lr per parameter", arguments(lr=[0.1, 0.2]), r"lr has 2 values \(expected 1 for every parameter, or one"),
+        ("no weight decay", arguments(weight_decay=[]), "weight_decay has 0 values"),
     ]
 
 
@@ -119,7 +141,8 @@ def _bad_calls() -> list[tuple[str, dict, str]]:
 def test_bad_arguments_are_refused_by_name_before_anything_changes(case: int) -> None:
     _, call, message = _bad_calls()[case]
     tensors = [value for value in call.values() if isinstance(value, torch.Tensor)]
-    tensors += [tensor for value in call.values() if isinstance(value, list) for tensor in value]
+    tensors += [tensor for value in call.values() if isinstance(value, list) for tensor in value
+                if isinstance(tensor, torch.Tensor)]
     before = [tensor.clone() for tensor in tensors]
     with pytest.raises(ValueError, match=message):
         submodule(load_cpu_variant(), "_ops").ops.adamw_checked_(*call.values())

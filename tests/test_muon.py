@@ -143,6 +143,59 @@ def test_matches_torch_adamw_for_non_matrices(adamw_path: str) -> None:
         assert float(opt.state[p]["step"]) == 5
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16], ids=["moments as they are", "bf16 moments"])
+def test_adamw_groups_that_differ_only_in_lr_and_weight_decay_share_one_update_as_torch_adamw_steps_them(
+        adamw_path: str, state_dtype: torch.dtype | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Layer-wise lr decay makes a group per block: one update serves them all, each parameter at its group's rates.
+    updates = []
+    offload = submodule(optimizer, "offload")
+    adamw_update = offload.adamw_update
+    monkeypatch.setattr(offload, "adamw_update", lambda items, *args, **kwargs: updates.append(len(items))
+                        or adamw_update(items, *args, **kwargs))
+    launched_rates = []
+    launch = functional.launch_adamw_
+    monkeypatch.setattr(functional, "launch_adamw_", lambda *args, **kwargs: launched_rates.append(
+        kwargs.get("rates") is not None) or launch(*args, **kwargs))
+    rates = [(3e-3, 0.05), (1e-3, 0.0), (5e-3, 0.2)]
+    ours = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate([37, 16, 64])]
+    theirs = [param.clone() for param in ours]
+    opt = Muon([dict(params=[param], use_muon=False, lr=lr, adamw_lr_scale=1.0, adamw_weight_decay=decay)
+                for param, (lr, decay) in zip(ours, rates)], adamw_betas=(0.8, 0.99), adamw_eps=1e-6,
+               state_dtype=state_dtype)
+    ref = torch.optim.AdamW([dict(params=[param], lr=lr, weight_decay=decay) for param, (lr, decay) in
+                             zip(theirs, rates)], betas=(0.8, 0.99), eps=1e-6, fused=True)
+    for step in range(3):
+        seeded_grads(ours, step)
+        seeded_grads(theirs, step)
+        opt.step()
+        ref.step()
+    assert updates == [3] * 3
+    assert launched_rates == ([True] * 3 if adamw_path == "one Triton launch" else [])  # a pair per tensor
+    for p, q in zip(ours, theirs):
+        # bf16 moments: rounded at random each step, a bf16 ulp of the moments at most, well inside 1e-4 of a step.
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6 if state_dtype is None else 1e-4)
+
+
+@pytest.mark.parametrize("second_group, updates", [
+    (dict(lr=0.01, weight_decay=0.0), [2]),
+    (dict(lr=torch.tensor(0.01)), [1, 1]),  # a tensor lr stays a tensor to the update
+    (dict(adamw_betas=(0.8, 0.99)), [1, 1]),
+    (dict(adamw_eps=1e-6), [1, 1]),
+])
+def test_which_adamw_groups_share_an_update(second_group: dict, updates: list[int],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    offload = submodule(optimizer, "offload")
+    adamw_update = offload.adamw_update
+    monkeypatch.setattr(offload, "adamw_update", lambda items, *args, **kwargs: seen.append(len(items))
+                        or adamw_update(items, *args, **kwargs))
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(2)]
+    opt = Muon([dict(params=params[:1], use_muon=False), dict(params=params[1:], use_muon=False, **second_group)])
+    seeded_grads(params, 0)
+    opt.step()
+    assert seen == updates
+
+
 ADAMW_SETTINGS = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
 
 

@@ -27,18 +27,21 @@ RULE = {name: "fp32" for name in ("lr", "beta1", "beta2", "log2_beta1", "log2_be
 UNITS = {"*fp32": 4, "*bf16": 8, "*fp16": 8, "*i16": 8, "*i8": 16}  # elements per 16-byte unit
 
 
-def _plain(like: str, lr_on_device: bool) -> tuple:
-    signature = {**TABLES, "skipped": "*fp32", "like": like, "lr_on_device": "*fp32" if lr_on_device else "*i64",
-                 **RULE}
-    return adamw._adamw_blocks_kernel, signature, dict(LR_ON_DEVICE=lr_on_device, COLUMNS=adamw._COLUMNS,
+# The rates' pointer for each RATES mode of the AdamW kernels: none (the table in its slot), lr, per-tensor pairs.
+RATES = {0: "*i64", 1: "*fp32", 2: "*fp64"}
+
+
+def _plain(like: str, rates: int) -> tuple:
+    signature = {**TABLES, "skipped": "*fp32", "like": like, "rates": RATES[rates], **RULE}
+    return adamw._adamw_blocks_kernel, signature, dict(RATES=rates, COLUMNS=adamw._COLUMNS,
                                                        ELEMENTS_PER_UNIT=UNITS[like], BLOCK=adamw.BLOCK)
 
 
-def _rounded(like: str, codes: bool) -> tuple:
+def _rounded(like: str, codes: bool, rates: int = 0) -> tuple:
     moment = "*i8" if codes else "*i16"
-    signature = {**TABLES, "skipped": "*fp32", "like": like, "moment_like": moment, "lr_on_device": "*i64", **RULE}
+    signature = {**TABLES, "skipped": "*fp32", "like": like, "moment_like": moment, "rates": RATES[rates], **RULE}
     return adamw._adamw_rounded_blocks_kernel, signature, dict(
-        LR_ON_DEVICE=False, CODES=codes, COLUMNS=adamw._ROUNDED_COLUMNS, ELEMENTS_PER_UNIT=UNITS[like],
+        RATES=rates, CODES=codes, COLUMNS=adamw._ROUNDED_COLUMNS, ELEMENTS_PER_UNIT=UNITS[like],
         MOMENT_ELEMENTS_PER_UNIT=UNITS[moment], BLOCK=adamw.BLOCK, CODE_BLOCK=adamw.CODE_BLOCK)
 
 
@@ -76,9 +79,10 @@ def _symmetric(kernel, band: int) -> tuple:
 
 
 CASES = {
-    "update fp32": _plain("*fp32", False), "update bf16, lr on the device": _plain("*bf16", True),
-    "update fp16": _plain("*fp16", False), "rounded bf16 moments": _rounded("*fp32", False),
-    "rounded 8-bit codes, bf16 parameters": _rounded("*bf16", True), "flags bf16": _nonfinite("*bf16"),
+    "update fp32": _plain("*fp32", 0), "update bf16, lr on the device": _plain("*bf16", 1),
+    "update fp16, rates per tensor": _plain("*fp16", 2), "rounded bf16 moments": _rounded("*fp32", False),
+    "rounded 8-bit codes, bf16 parameters": _rounded("*bf16", True),
+    "rounded 8-bit codes, rates per tensor": _rounded("*fp32", True, 2), "flags bf16": _nonfinite("*bf16"),
     "flags fp32": _nonfinite("*fp32"), "counts": _counts(False), "counts, rounded": _counts(True),
     "Muon update, fp32 parameters, bf16 updates": _apply("*fp32", "*bf16", False, True),
     "Muon update, transposed, no decay": _apply("*fp32", "*bf16", True, False),

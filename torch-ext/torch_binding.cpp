@@ -457,12 +457,16 @@ void checked_adamw_rounded(at::Tensor& param, const at::Tensor& grad, at::Tensor
 
 void check_adamw_checked_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                               at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& found_inf,
-                              double beta1, double beta2) {
+                              at::ArrayRef<double> lr, double beta1, double beta2, at::ArrayRef<double> weight_decay) {
   const char* op = "adamw_checked_";
   const size_t count = params.size();
   for (const auto& [name, list] : {std::pair{"grads", grads}, std::pair{"exp_avgs", exp_avgs},
                                    std::pair{"exp_avg_sqs", exp_avg_sqs}, std::pair{"steps", steps}}) {
     TORCH_CHECK_VALUE(list.size() == count, op, ": ", name, " has ", list.size(), " tensors but params has ", count);
+  }
+  for (const auto& [name, rates] : {std::pair{"lr", lr}, std::pair{"weight_decay", weight_decay}}) {
+    TORCH_CHECK_VALUE(rates.size() == 1 || rates.size() == count, op, ": ", name, " has ", rates.size(),
+                      " values (expected 1 for every parameter, or one per parameter: ", count, ")");
   }
   check_flags(op, found_inf, count, "found_inf");
   for (size_t i = 0; i < count; ++i) {
@@ -488,8 +492,9 @@ void check_adamw_checked_args(at::TensorList params, at::TensorList grads, at::T
 template <AdamWCheckedImpl impl>
 void checked_adamw_checked(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                            at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& found_inf, bool check,
-                           double lr, double beta1, double beta2, double eps, double weight_decay) {
-  check_adamw_checked_args(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, beta1, beta2);
+                           at::ArrayRef<double> lr, double beta1, double beta2, double eps,
+                           at::ArrayRef<double> weight_decay) {
+  check_adamw_checked_args(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, lr, beta1, beta2, weight_decay);
   impl(params, grads, exp_avgs, exp_avg_sqs, steps, found_inf, check, lr, beta1, beta2, eps, weight_decay);
 }
 
@@ -525,11 +530,12 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "adamw_rounded_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!)? exp_avg_scales, "
       "Tensor(d!) exp_avg_sq, Tensor(e!)? exp_avg_sq_scales, Tensor rounding_count, Tensor? positions, Tensor step, "
       "float lr, float beta1, float beta2, float eps, float weight_decay) -> ()");
-  // AdamW's step on moments stored as they are, each gradient checked first where `check` (see torch_binding.h).
+  // AdamW's step on moments stored as they are, each gradient checked first where `check` (see torch_binding.h);
+  // lr and weight_decay one for every parameter or one per parameter (param groups sharing the call).
   ops.def(
       "adamw_checked_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)[] steps, Tensor(e!) found_inf, bool check, float lr, float beta1, float beta2, float eps, "
-      "float weight_decay) -> ()");
+      "Tensor(d!)[] steps, Tensor(e!) found_inf, bool check, float[] lr, float beta1, float beta2, float eps, "
+      "float[] weight_decay) -> ()");
   // AdaMuon's per-entry second moment and division, in place, with the result's sum of squares (see
   // torch_binding.h).
   ops.def(

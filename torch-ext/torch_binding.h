@@ -147,11 +147,13 @@ void adamw_rounded_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& ex
 // and one dtype, float32 or bfloat16.
 // found_inf (float32, one per parameter): with `check`, written, 1.0 where grads[i] holds a NaN or Inf; without,
 // read. A parameter flagged 1.0 is left as it was; the others' steps[i] (one float32) move by one before their
-// update.
+// update. lr and weight_decay: one value for every parameter, or one per parameter.
 using AdamWCheckedImpl = void (*)(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                                   at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& found_inf,
-                                  bool check, double lr, double beta1, double beta2, double eps, double weight_decay);
+                                  bool check, at::ArrayRef<double> lr, double beta1, double beta2, double eps,
+                                  at::ArrayRef<double> weight_decay);
 
 void adamw_checked_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                        at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& found_inf, bool check,
-                       double lr, double beta1, double beta2, double eps, double weight_decay);
+                       at::ArrayRef<double> lr, double beta1, double beta2, double eps,
+                       at::ArrayRef<double> weight_decay);

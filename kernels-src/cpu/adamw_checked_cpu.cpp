@@ -48,10 +48,12 @@ void step_checked(const at::Tensor& param, const at::Tensor& grad, const at::Ten
 
 void adamw_checked_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                        at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& found_inf, bool check,
-                       double lr, double beta1, double beta2, double eps, double weight_decay) {
-  const Hyperparameters h{lr, beta1, beta2, eps, weight_decay};
+                       at::ArrayRef<double> lr, double beta1, double beta2, double eps,
+                       at::ArrayRef<double> weight_decay) {
   float* skipped = found_inf.mutable_data_ptr<float>();
   for (size_t i = 0; i < params.size(); ++i) {
+    const Hyperparameters h{lr[lr.size() == 1 ? 0 : i], beta1, beta2, eps,
+                            weight_decay[weight_decay.size() == 1 ? 0 : i]};
     AT_DISPATCH_V2(params[i].scalar_type(), "adamw_checked_cpu", AT_WRAP([&] {
       step_checked<scalar_t>(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i], skipped[i], check, h);
     }), at::kFloat, at::kBFloat16);

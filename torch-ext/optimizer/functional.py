@@ -312,10 +312,10 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
 
 
 class Rates:
-    """Each item's lr and weight decay, from a Muon update's `lr` and `weight_decay`: one for all, or numbers one per
+    """Each item's lr and weight decay, from an update's `lr` and `weight_decay`: one for all, or numbers one per
     item in items' order (param groups that differ only in them share one update)."""
 
-    def __init__(self, items: Sequence[MuonTensors], lr: LearningRate | Sequence[float],
+    def __init__(self, items: Sequence[MuonTensors | AdamWTensors], lr: LearningRate | Sequence[float],
                  weight_decay: float | Sequence[float]) -> None:
         given = [isinstance(value, Sequence) for value in (lr, weight_decay)]
         for per_item, value in zip(given, (lr, weight_decay)):
@@ -326,14 +326,21 @@ class Rates:
             id(item): rate for item, rate in zip(items, zip(lr if given[0] else repeat(lr),
                                                             weight_decay if given[1] else repeat(weight_decay)))}
 
-    def of(self, some: Sequence[MuonTensors]) -> tuple[list[LearningRate], list[float]]:
+    def uniform(self, some: Sequence[MuonTensors | AdamWTensors]) -> tuple[LearningRate, float] | None:
+        """The one lr and weight decay of these items, where they share one (as the items of one group do)."""
+        if self._common is not None:
+            return self._common
+        first = self._by_item[id(some[0])]
+        return first if all(self._by_item[id(item)] == first for item in some) else None
+
+    def of(self, some: Sequence[MuonTensors | AdamWTensors]) -> tuple[list[LearningRate], list[float]]:
         """The lrs and the weight decays of some of the items, in their order."""
         if self._common is not None:
             return [self._common[0]] * len(some), [self._common[1]] * len(some)
         rates = [self._by_item[id(item)] for item in some]
         return [rate[0] for rate in rates], [rate[1] for rate in rates]
 
-    def settings_for(self, some: Sequence[MuonTensors], settings: dict[str, Any]) -> dict[str, Any]:
+    def settings_for(self, some: Sequence[MuonTensors | AdamWTensors], settings: dict[str, Any]) -> dict[str, Any]:
         """An update's `settings` with the lr and weight decay of some of the items (as they are where one of each
         is for all)."""
         if self._common is not None:
@@ -416,8 +423,8 @@ class AdamWTensors:
     rounding_positions: Tensor | None = None  # as MuonTensors'
 
 
-def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: LearningRate,
-                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: LearningRate | Sequence[float],
+                 betas: tuple[float, float], eps: float, weight_decay: float | Sequence[float]) -> None:
     """AdamW with a skip flag per parameter: found_inf is (N,) float32 on the items' device, 1.0 where that
     parameter's step is skipped; None: no gradient was checked yet, and each is checked here (plain tensors only: a
     DTensor's flag takes its ranks). On GPUs, with Triton, one launch per dtype and stored form for all parameters
@@ -427,18 +434,21 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr:
 
     The kernel is called directly: `torch.optim.adamw.adamw`'s grouping and checks cost ~25 µs per call, more than the
     kernel itself on a bias vector, and here each call holds one tensor of known device and dtype. What that wrapper
-    adds around the kernel is done here: the step count moves by 1 - found_inf, and a tensor lr goes to the device."""
+    adds around the kernel is done here: the step count moves by 1 - found_inf, and a tensor lr goes to the device.
+
+    `lr` and `weight_decay`: one for all, or numbers one per parameter (param groups that differ only in them share
+    one update)."""
     if found_inf is not None and found_inf.shape != (len(items),):
         raise ValueError(f"found_inf has shape {tuple(found_inf.shape)} for {len(items)} parameters")
     if not items:
         return
     device = items[0].param.device
+    rates = Rates(items, lr.to(device) if isinstance(lr, Tensor) else lr, weight_decay)
     if device.type == "cpu" and not one_launch_serves(device.type):
-        _adamw_cpu_(items, found_inf, lr=float(lr), betas=betas, eps=eps, weight_decay=weight_decay)
+        _adamw_cpu_(items, found_inf, rates, betas=betas, eps=eps)
         return
-    settings = dict(lr=lr.to(device) if isinstance(lr, Tensor) else lr, betas=betas, eps=eps,
-                    weight_decay=weight_decay)
-    left = _adamw_one_launch_(items, found_inf, **settings) if one_launch_serves(device.type) else range(len(items))
+    left = (_adamw_one_launch_(items, found_inf, rates, betas=betas, eps=eps) if one_launch_serves(device.type)
+            else range(len(items)))
     if not left:
         return
     rest = [items[index] for index in left]
@@ -448,7 +458,7 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr:
         flags = _picked(found_inf, left)
     _count_steps_(rest, flags)
     for item, flag in zip(rest, flags.unbind()):
-        _fused_adamw_one_(item, flag, **settings)
+        _fused_adamw_one_(item, flag, *rates.uniform([item]), betas=betas, eps=eps)
 
 
 def _count_steps_(items: Sequence[AdamWTensors], skipped: Tensor) -> None:
@@ -467,8 +477,8 @@ def one_launch_serves(device_type: str) -> bool:
     return device_type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
-def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: LearningRate,
-                       betas: tuple[float, float], eps: float, weight_decay: float) -> list[int]:
+def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, rates: Rates, *,
+                       betas: tuple[float, float], eps: float) -> list[int]:
     """The parameters the Triton kernels take, in one launch per dtype and stored form of their moments, each with its
     skip flag (found_inf's, or where None, its gradient checked by a launch before): those `_fits_one_launch` takes,
     and those whose moments are stored rounded that `_fits_rounded_launch` takes (decided once and kept while the
@@ -476,12 +486,11 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
     indices of the others. Where a kernel fails to build or launch before the update is written, says so once and
     returns the indices it had not done, for torch's fused kernel, now and at every later step."""
     plan = launch_plan(items, _addressed, _launch_groups)
-    settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     for done, group in enumerate(plan.groups):
         tabulated = group.tabulated_for(items)
         try:
             skipped = launch_nonfinite_(tabulated) if found_inf is None else _picked(found_inf, group.indices)
-            launch_adamw_(tabulated, skipped, **settings)
+            launch_adamw_(tabulated, skipped, betas=betas, eps=eps, **_launch_rates(rates, group.indices, items))
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 (whatever Triton raises for a kernel it cannot build here)
@@ -497,6 +506,18 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
                 advance_counts_([item.rounding_count for item in taken], 1.0 - skipped)
             return plan.left + _joined([pending.indices for pending in plan.groups[done + 1:]])
     return plan.left
+
+
+def _launch_rates(rates: Rates, indices: Sequence[int], items: Sequence[AdamWTensors]) -> dict[str, Any]:
+    """A launch's lr and weight decay: one for all its tensors, or where they differ (groups sharing the launch), a
+    (lr, weight decay) pair per tensor in float64 on the device, copied there without a host sync."""
+    taken = [items[index] for index in indices]
+    uniform = rates.uniform(taken)
+    if uniform is not None:
+        return dict(lr=uniform[0], weight_decay=uniform[1])
+    lrs, weight_decays = rates.of(taken)
+    pairs = [rate for pair in zip(lrs, weight_decays) for rate in pair]
+    return dict(lr=0.0, weight_decay=0.0, rates=_on_device(pairs, torch.float64, taken[0].param.device))
 
 
 @dataclass(frozen=True)
@@ -578,16 +599,15 @@ def nonfinite_flags(grads: Sequence[Tensor]) -> Tensor:
     return 1.0 - native.finite_flags(grads)
 
 
-def _adamw_cpu_(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: float, betas: tuple[float, float],
-                eps: float, weight_decay: float) -> None:
+def _adamw_cpu_(items: Sequence[AdamWTensors], found_inf: Tensor | None, rates: Rates, *,
+                betas: tuple[float, float], eps: float) -> None:
     """The CPU's AdamW part, whose flags are read for free. float32 and bfloat16 parameters whose moments are stored as
     they are go through the compiled `adamw_checked_` in one call, each gradient (where found_inf is None) checked just
     before its own update: a check of every gradient first read the embedding's back from memory a whole pass ahead of
     its update (GPT-2 small's 97 AdamW tensors: 1.21x fused AdamW's time that way, 1.06x-1.10x in one call, 2-core
     Xeon). The rest (moments stored rounded, float16 and float64 parameters, builds without the op) after one check of
     their gradients: stored rounded, each through `_fused_adamw_one_`; else through torch's fused kernel, once per
-    dtype."""
-    settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    dtype and rate."""
     compiled = native.has_compiled_adamw_checked("cpu")
     takes = [compiled and _adamw_checked_takes(item) for item in items]
     checked = [i for i, taken in enumerate(takes) if taken]
@@ -595,15 +615,17 @@ def _adamw_cpu_(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: 
     if checked:
         taken = [items[i] for i in checked]
         known = None if found_inf is None else found_inf[checked]
+        lrs, weight_decays = rates.uniform(taken) or rates.of(taken)
         flags = _on_contiguous_(taken, lambda params, grads, exp_avgs, exp_avg_sqs: native.adamw_checked_(
-            params, grads, exp_avgs, exp_avg_sqs, [item.step for item in taken], known, **settings))
+            params, grads, exp_avgs, exp_avg_sqs, [item.step for item in taken], known, lr=lrs, betas=betas,
+            eps=eps, weight_decay=weight_decays))
         _count_skips(taken, flags.tolist())
     if rest:
         others = [items[i] for i in rest]
         flags = nonfinite_flags([item.grad for item in others]) if found_inf is None else found_inf[rest]
         skipped = flags.tolist()
         _count_read_steps(others, skipped)
-        _fused_adamw_taken_(others, skipped, **settings)
+        _fused_adamw_taken_(others, skipped, rates, betas=betas, eps=eps)
 
 
 def _count_read_steps(items: Sequence[AdamWTensors], skipped: Sequence[float]) -> None:
@@ -631,21 +653,23 @@ def _adamw_checked_takes(item: AdamWTensors) -> bool:
             and item.exp_avg.dtype == item.exp_avg_sq.dtype == item.param.dtype)
 
 
-def _fused_adamw_taken_(items: Sequence[AdamWTensors], skipped: Sequence[float], *, lr: LearningRate,
-                        betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+def _fused_adamw_taken_(items: Sequence[AdamWTensors], skipped: Sequence[float], rates: Rates, *,
+                        betas: tuple[float, float], eps: float) -> None:
     """On the CPU the flags are read (a CPU tensor's value costs no device sync): the parameters not skipped go
-    through one fused call per dtype, the skipped ones are left alone. A call per parameter cost ~30 µs each, 3 ms
-    of the 24 ms of GPT-2 small's 97 AdamW tensors on a 2-core Xeon, the call itself longer than a bias's update."""
-    together: dict[torch.dtype, list[AdamWTensors]] = {}
+    through one fused call per dtype and rate, the skipped ones are left alone. A call per parameter cost ~30 µs
+    each, 3 ms of the 24 ms of GPT-2 small's 97 AdamW tensors on a 2-core Xeon, the call itself longer than a bias's
+    update."""
+    together: dict[tuple, list[AdamWTensors]] = {}
     for item, skip in zip(items, skipped):
         if skip:
             continue
+        rate = rates.uniform([item])
         if item.rounding_count is not None:  # stored rounded: its own call
-            _fused_adamw_one_(item, None, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            _fused_adamw_one_(item, None, *rate, betas=betas, eps=eps)
         else:
-            together.setdefault(item.param.dtype, []).append(item)
+            together.setdefault((item.param.dtype, *rate), []).append(item)
     for group in together.values():
-        _fused_adamw_plain_(group, None, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        _fused_adamw_plain_(group, None, *rates.uniform(group[:1]), betas=betas, eps=eps)
 
 
 def by_device(items: Sequence[AdamWTensors]) -> dict[torch.device, list[AdamWTensors]]:
@@ -667,14 +691,14 @@ _ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 ROUNDED_CHUNK = 1 << 18
 
 
-def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor | None, *, lr: LearningRate, betas: tuple[float, float],
-                      eps: float, weight_decay: float) -> None:
+def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor | None, lr: LearningRate, weight_decay: float, *,
+                      betas: tuple[float, float], eps: float) -> None:
     """One parameter's AdamW step, skipped where found_inf (a float32 flag on its device) is 1.0; None: taken (the
     CPU path, which read the flags first), and then moments stored rounded go through the compiled
     `adamw_rounded_` where the build has it."""
     settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if item.rounding_count is None:
-        _fused_adamw_plain_([item], found_inf, **settings)
+        _fused_adamw_plain_([item], found_inf, lr, weight_decay, betas=betas, eps=eps)
         return
     param = item.param.contiguous()  # see `_fused_adamw_plain_`
     if found_inf is None and native.has_compiled_adamw_rounded(param.device.type):
@@ -689,8 +713,8 @@ def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor | None, *, lr: Learn
         item.param.copy_(param)
 
 
-def _fused_adamw_plain_(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: LearningRate,
-                        betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+def _fused_adamw_plain_(items: Sequence[AdamWTensors], found_inf: Tensor | None, lr: LearningRate,
+                        weight_decay: float, *, betas: tuple[float, float], eps: float) -> None:
     """torch's fused AdamW on parameters of one dtype whose moments are stored as they are, in one call."""
     _on_contiguous_(items, lambda params, grads, exp_avgs, exp_avg_sqs: torch._fused_adamw_(
         params, grads, exp_avgs, exp_avg_sqs, [], [item.step for item in items], lr=lr, beta1=betas[0],

@@ -25,7 +25,7 @@ from .distributed.dtensors import (any_dtensor, is_dtensor, local_or_none, local
 from .distributed.finite import found_inf_flags
 from .distributed.layout import shard_positions
 from .distributed.step import distributed_muon_update, is_spread
-from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, by_device
+from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, Rates, by_device
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
 from .offload import OFFLOAD_TARGETS, home_device, keep_at_home, staged_adamw_update, staged_muon_update
@@ -346,6 +346,17 @@ def _muon_settings(group: dict[str, Any], device: torch.device) -> dict[str, Any
 _PER_ITEM_SETTINGS = ("lr", "weight_decay")
 # Updates waiting for the groups that share them: key -> (the update, each group's settings and items).
 _Pending = dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors]]]]]
+
+
+def _run_pending(pending: _Pending) -> None:
+    """Each pending update, once, on the items of every group that shares it, each item with its group's rates."""
+    for update, members in pending.values():
+        settings, items = members[0]
+        if len(members) > 1:
+            items = [item for _, chosen in members for item in chosen]
+            settings = {**settings, **{name: [other[name] for other, chosen in members for _ in chosen]
+                                       for name in _PER_ITEM_SETTINGS}}
+        update(items, **settings)
 
 
 def _shared_update_key(settings: dict[str, Any]) -> tuple:
@@ -744,13 +755,7 @@ class Muon(Optimizer):
         pending: _Pending = {}
         for group, items in parts:
             self._muon_step(group, items, pending)
-        for update, members in pending.values():
-            settings, items = members[0]
-            if len(members) > 1:
-                items = [item for _, chosen in members for item in chosen]
-                settings = {**settings, **{name: [other[name] for other, chosen in members for _ in chosen]
-                                           for name in _PER_ITEM_SETTINGS}}
-            update(items, **settings)
+        _run_pending(pending)
 
     def _muon_step(self, group: dict[str, Any], items: list[MuonTensors], pending: _Pending) -> None:
         """One group's Muon update, added to `pending` (an update and the groups' settings and items it takes): its
@@ -804,18 +809,29 @@ class Muon(Optimizer):
     # own): the whole AdamW part runs eagerly, one break per step, outside any loop a compiled step must keep.
     @torch.compiler.disable
     def _adamw_steps(self, groups: list[tuple[dict[str, Any], list[AdamWTensors]]]) -> None:
+        """Each group's AdamW update (`_adamw_step`), groups that differ only in lr and weight decay in one update:
+        GPT-2 small's structure at 1/384 width with a param group per block took 2.10-2.17 ms a step with an update
+        per group, 2.00-2.04 shared (2-core Xeon); on a GPU each update is three Triton launches."""
         try:
+            pending: _Pending = {}
             for group, items in groups:
-                self._adamw_step(group, items)
+                self._adamw_step(group, items, pending)
+            _run_pending(pending)
         finally:
             self._checked_gradients = None  # one step's worth: the next clip checks afresh
 
-    def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors]) -> None:
+    def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors], pending: _Pending) -> None:
+        """One group's AdamW update, added to `pending` as `_muon_step` adds its Muon update."""
         weight_decay = group["adamw_weight_decay"]
-        settings = dict(lr=self._adamw_lr(group), betas=tuple(map(_as_real, group["adamw_betas"])),
-                        eps=_as_real(group["adamw_eps"]),
-                        weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
+        self._pend(pending, self._adamw_update, items, lr=self._adamw_lr(group),
+                   betas=tuple(map(_as_real, group["adamw_betas"])), eps=_as_real(group["adamw_eps"]),
+                   weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
+
+    def _adamw_update(self, items: list[AdamWTensors], **settings: Any) -> None:
+        """The AdamW update of items whose `lr` and `weight_decay` are one for all or one per item."""
+        rates = Rates(items, settings["lr"], settings["weight_decay"])
         for device_items in by_device(items).values():
+            device_settings = rates.settings_for(device_items, settings)  # by the items, before shards replace them
             # Whether each gradient is finite, on every rank for a DTensor: a question for the distributed layer,
             # unless clip_grad_norm_ found out while it read them; plain gradients are checked by the update itself.
             # The update is elementwise: each rank runs it on its own shards, as plain tensors.
@@ -827,7 +843,7 @@ class Muon(Optimizer):
                 found_inf = found_inf_flags(grads)
             if spread:
                 device_items = [_local_adamw_item(item) for item in device_items]
-            staged_adamw_update(device_items, found_inf, **settings)
+            staged_adamw_update(device_items, found_inf, **device_settings)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,

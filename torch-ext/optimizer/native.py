@@ -153,20 +153,26 @@ ADAMW_CHECKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def adamw_checked_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                   exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], found_inf: Tensor | None, *, lr: float,
-                   betas: tuple[float, float], eps: float, weight_decay: float) -> Tensor:
+                   exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], found_inf: Tensor | None, *,
+                   lr: float | Sequence[float], betas: tuple[float, float], eps: float,
+                   weight_decay: float | Sequence[float]) -> Tensor:
     """torch's fused AdamW step (decoupled weight decay) on parameters whose moments are stored as they are, each
     parameter's tensors contiguous, of one shape and one dtype of ADAMW_CHECKED_DTYPES, its step count one float32.
     found_inf: (N,) float32 flags, 1.0 where a parameter is skipped; None: each gradient is checked for NaN and Inf in
     the same call, just before its parameter's update. Skipped parameters are left as they were; the others' step counts
-    move by one before their update. Returns the flags (written when found_inf was None). Only compiled: callers check
-    `has_compiled_adamw_checked` first."""
+    move by one before their update. `lr` and `weight_decay`: one for all, or one per parameter. Returns the flags
+    (written when found_inf was None). Only compiled: callers check `has_compiled_adamw_checked` first."""
     compiled = _required_op(_ADAMW_CHECKED_OP, params[0].device.type if params else None)
     check = found_inf is None
     flags = torch.empty(len(params), dtype=torch.float32, device=params[0].device) if check else found_inf
-    compiled(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), flags, check, float(lr),
-             betas[0], betas[1], eps, weight_decay)
+    compiled(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps), flags, check, _floats(lr),
+             betas[0], betas[1], eps, _floats(weight_decay))
     return flags
+
+
+def _floats(rates: float | Sequence[float]) -> list[float]:
+    """A rate for every parameter, or one per parameter, as the ops' float lists take them."""
+    return [float(rate) for rate in rates] if isinstance(rates, Sequence) else [float(rates)]
 
 
 def has_compiled_normalize_elements(device_type: str) -> bool:

@@ -179,9 +179,13 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, **s
         return
     if found_inf is None:
         found_inf = nonfinite_flags([item.grad for item in items])
+    rates = Rates(items, settings["lr"], settings["weight_decay"])
     groups = adamw_groups(items, ADAMW_GROUP_BYTES)
     flags = iter(found_inf.split([len(group) for group in groups]))
-    run_staged(groups, lambda group: adamw_update(group, next(flags), **settings), CudaCopier(found_inf.device))
+    # Each group's lrs and weight decays, found by its items before their state is staged (in new items).
+    group_settings = iter([rates.settings_for(group, settings) for group in groups])
+    run_staged(groups, lambda group: adamw_update(group, next(flags), **next(group_settings)),
+               CudaCopier(found_inf.device))
 
 
 def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[AdamWTensors]]:

@@ -37,7 +37,7 @@ def launch_nonfinite_(tabulated: object) -> Tensor:
 
 
 def launch_adamw_(tabulated: object, skipped: Tensor, *, lr: float | Tensor, betas: tuple[float, float], eps: float,
-                  weight_decay: float) -> None:
+                  weight_decay: float, rates: Tensor | None = None) -> None:
     raise RuntimeError(_MISSING.format(name="launch_adamw_"))
 
 

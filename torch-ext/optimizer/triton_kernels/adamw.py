@@ -44,13 +44,13 @@ CODE_BLOCK = 256
 
 @triton.jit
 def _program_block(table, block_tensor, block_start, skipped, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's tensor's table row, the first entry of its block, and where the tensor's entries end for it:
-    at 0 for a skipped tensor, whose programs then touch nothing."""
+    """This program's tensor (its index and table row), the first entry of its block, and where the tensor's entries
+    end for it: at 0 for a skipped tensor, whose programs then touch nothing."""
     block = tl.program_id(0)
     tensor = tl.load(block_tensor + block)
     row = table + tensor * COLUMNS
     end = tl.where(tl.load(skipped + tensor) == 0.0, tl.load(row + 5), 0)
-    return row, tl.multiple_of(tl.load(block_start + block), BLOCK), end
+    return tensor, row, tl.multiple_of(tl.load(block_start + block), BLOCK), end
 
 
 @triton.jit
@@ -60,14 +60,18 @@ def _start(like, row, column: tl.constexpr, ELEMENTS_PER_UNIT: tl.constexpr):
 
 
 @triton.jit
-def _step_rule(row, lr_on_device, lr, log2_beta1, log2_beta2, weight_decay, LR_ON_DEVICE: tl.constexpr):
+def _step_rule(tensor, row, rates, lr, log2_beta1, log2_beta2, weight_decay, RATES: tl.constexpr):
     """This step's constants for the tensor of the table row: the bias corrections in float64 from the step count
     after this step's increment (the count is read as it was before: `_counts_kernel` moves it after the update), as
     torch's fused kernel takes them (there with pow; here beta^step as exp2(step * log2 beta)); returns (step size,
-    decay, sqrt of the second bias correction) for the fp32 arithmetic."""
+    decay, sqrt of the second bias correction) for the fp32 arithmetic. RATES: 0, lr and weight_decay as given;
+    1, lr the one value at `rates`; 2, this tensor's (lr, weight decay) pair of float64 at `rates`."""
     step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64) + 1.0
-    if LR_ON_DEVICE:
-        lr = tl.load(lr_on_device).to(tl.float64)
+    if RATES == 1:
+        lr = tl.load(rates).to(tl.float64)
+    if RATES == 2:
+        lr = tl.load(rates + 2 * tensor)
+        weight_decay = tl.load(rates + 2 * tensor + 1)
     bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2)).to(tl.float32)
     return tl.cast(lr / bias_correction1, tl.float32), tl.cast(lr * weight_decay, tl.float32), bias_correction2_sqrt
@@ -118,15 +122,14 @@ def _counts_kernel(table, skipped, COLUMNS: tl.constexpr, ROUNDED: tl.constexpr,
 
 @triton.jit
 def _adamw_blocks_kernel(
-    table, block_tensor, block_start, skipped, like, lr_on_device, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
-    weight_decay, LR_ON_DEVICE: tl.constexpr, COLUMNS: tl.constexpr, ELEMENTS_PER_UNIT: tl.constexpr,
-    BLOCK: tl.constexpr
+    table, block_tensor, block_start, skipped, like, rates, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
+    weight_decay, RATES: tl.constexpr, COLUMNS: tl.constexpr, ELEMENTS_PER_UNIT: tl.constexpr, BLOCK: tl.constexpr
 ):
-    row, first, end = _program_block(table, block_tensor, block_start, skipped, COLUMNS, BLOCK)
+    tensor, row, first, end = _program_block(table, block_tensor, block_start, skipped, COLUMNS, BLOCK)
     param, grad = _start(like, row, 0, ELEMENTS_PER_UNIT), _start(like, row, 1, ELEMENTS_PER_UNIT)
     exp_avg, exp_avg_sq = _start(like, row, 2, ELEMENTS_PER_UNIT), _start(like, row, 3, ELEMENTS_PER_UNIT)
-    step_size, decay, bias_correction2_sqrt = _step_rule(row, lr_on_device, lr, log2_beta1, log2_beta2, weight_decay,
-                                                         LR_ON_DEVICE)
+    step_size, decay, bias_correction2_sqrt = _step_rule(tensor, row, rates, lr, log2_beta1, log2_beta2,
+                                                         weight_decay, RATES)
     offsets = first + tl.arange(0, BLOCK)
     rule = (step_size, decay, bias_correction2_sqrt, beta1, beta2, eps)
     # A whole block unmasked: a mask against a size of unknown divisibility would keep every access to one element.
@@ -150,21 +153,21 @@ def _adamw_block(param, grad, exp_avg, exp_avg_sq, offsets, mask, rule):
 
 @triton.jit
 def _adamw_rounded_blocks_kernel(
-    table, block_tensor, block_start, skipped, like, moment_like, lr_on_device, lr, beta1, beta2, log2_beta1,
-    log2_beta2, eps, weight_decay, LR_ON_DEVICE: tl.constexpr, CODES: tl.constexpr, COLUMNS: tl.constexpr,
+    table, block_tensor, block_start, skipped, like, moment_like, rates, lr, beta1, beta2, log2_beta1,
+    log2_beta2, eps, weight_decay, RATES: tl.constexpr, CODES: tl.constexpr, COLUMNS: tl.constexpr,
     ELEMENTS_PER_UNIT: tl.constexpr, MOMENT_ELEMENTS_PER_UNIT: tl.constexpr, BLOCK: tl.constexpr,
     CODE_BLOCK: tl.constexpr
 ):
     """As `_adamw_blocks_kernel`, for moments stored rounded at random: bfloat16 bits (int16), or with CODES, e4m3
     codes (int8) with a float32 scale per CODE_BLOCK entries, the second moment's codes holding its square root, as
     the CPU's `adamw_rounded_` and state_precision.py store them. Both moments round with the same random bits."""
-    row, first, end = _program_block(table, block_tensor, block_start, skipped, COLUMNS, BLOCK)
+    tensor, row, first, end = _program_block(table, block_tensor, block_start, skipped, COLUMNS, BLOCK)
     param, grad = _start(like, row, 0, ELEMENTS_PER_UNIT), _start(like, row, 1, ELEMENTS_PER_UNIT)
     exp_avg = _start(moment_like, row, 2, MOMENT_ELEMENTS_PER_UNIT)
     exp_avg_sq = _start(moment_like, row, 3, MOMENT_ELEMENTS_PER_UNIT)
     count = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.int64)))
-    step_size, decay, bias_correction2_sqrt = _step_rule(row, lr_on_device, lr, log2_beta1, log2_beta2, weight_decay,
-                                                         LR_ON_DEVICE)
+    step_size, decay, bias_correction2_sqrt = _step_rule(tensor, row, rates, lr, log2_beta1, log2_beta2,
+                                                         weight_decay, RATES)
     # (code blocks, entries) of this program's BLOCK entries: a code block's scale is one row's.
     rows = tl.arange(0, BLOCK // CODE_BLOCK)
     offsets = first + rows[:, None] * CODE_BLOCK + tl.arange(0, CODE_BLOCK)[None, :]
@@ -299,22 +302,24 @@ def launch_nonfinite_(tabulated: Tabulated) -> Tensor:
 
 
 def launch_adamw_(tabulated: Tabulated, skipped: Tensor, *, lr: float | Tensor, betas: tuple[float, float],
-                  eps: float, weight_decay: float) -> None:
+                  eps: float, weight_decay: float, rates: Tensor | None = None) -> None:
     """The update of every tabulated tensor whose flag in `skipped` is 0.0, its step count read as it was before this
     step (`launch_counts_` moves it after). Moments stored rounded are each read into float32, stepped with their
     parameter and stored back rounded with random bits salted by its count of rounded writes and each entry's index,
-    as the CPU's `adamw_rounded_` does."""
+    as the CPU's `adamw_rounded_` does. `rates`: (lr, weight decay) float64 pairs on the device, one per tabulated
+    tensor, in place of `lr` and `weight_decay` (param groups sharing the launch)."""
     like, moment_like = tabulated.like, tabulated.moment_like
     tables = (tabulated.table, tabulated.block_tensor, tabulated.block_start, skipped)
-    rule = _rule_arguments(lr, betas, eps, weight_decay, tabulated.table)
+    rule = _rule_arguments(lr, betas, eps, weight_decay, tabulated.table, rates)
+    mode = 2 if rates is not None else int(isinstance(lr, Tensor))
     grid = (tabulated.block_tensor.numel(),)
     if moment_like is None:
-        _adamw_blocks_kernel[grid](*tables, like, *rule, LR_ON_DEVICE=isinstance(lr, Tensor), COLUMNS=_COLUMNS,
+        _adamw_blocks_kernel[grid](*tables, like, *rule, RATES=mode, COLUMNS=_COLUMNS,
                                    ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(), BLOCK=BLOCK)
         return
     _adamw_rounded_blocks_kernel[grid](
         *tables, like, moment_like.view(torch.int8 if tabulated.codes else torch.int16), *rule,
-        LR_ON_DEVICE=isinstance(lr, Tensor), CODES=tabulated.codes, COLUMNS=_ROUNDED_COLUMNS,
+        RATES=mode, CODES=tabulated.codes, COLUMNS=_ROUNDED_COLUMNS,
         ELEMENTS_PER_UNIT=ALIGNMENT // like.element_size(),
         MOMENT_ELEMENTS_PER_UNIT=ALIGNMENT // moment_like.element_size(), BLOCK=BLOCK, CODE_BLOCK=CODE_BLOCK,
     )
@@ -329,13 +334,14 @@ def launch_counts_(tabulated: Tabulated, skipped: Tensor) -> None:
 
 
 def _rule_arguments(lr: float | Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
-                    placeholder: Tensor) -> tuple[Tensor | float, ...]:
-    """The update rule's arguments both kernels end with: lr as a device tensor (its number slot 0.0) or as a number
-    (`placeholder` in its tensor slot), the betas and their base-2 logarithms, eps and the weight decay."""
+                    placeholder: Tensor, rates: Tensor | None) -> tuple[Tensor | float, ...]:
+    """The update rule's arguments both kernels end with: the rates on the device (per-tensor pairs, or lr as a
+    tensor; `placeholder` where neither) and lr as a number (0.0 where it is on the device), the betas and their
+    base-2 logarithms, eps and the weight decay."""
     beta1, beta2 = betas
-    on_device = isinstance(lr, Tensor)
-    return (lr if on_device else placeholder, 0.0 if on_device else float(lr), beta1, beta2, _log2(beta1),
-            _log2(beta2), eps, weight_decay)
+    on_device = rates if rates is not None else lr if isinstance(lr, Tensor) else placeholder
+    return (on_device, 0.0 if isinstance(lr, Tensor) else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps,
+            weight_decay)
 
 
 def launchable(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor) -> bool:
