@@ -109,6 +109,35 @@ def test_lr_on_the_device_matches_torch_fused_adamw_with_that_lr() -> None:
             torch.testing.assert_close(ours, theirs, rtol=4e-6, atol=1e-7)
 
 
+@needs_kernels
+def test_rates_per_tensor_match_torch_fused_adamw_with_a_group_each() -> None:
+    # Param groups that differ only in lr and weight decay share a launch, each tensor reading its own pair.
+    adamw = importlib.import_module(f"{triton_kernels.__name__}.adamw")
+    generator = torch.Generator().manual_seed(3)
+    params = random_tensors(torch.float32, generator)
+    rates = [(0.01 * (index + 1), 0.05 * index) for index in range(len(params))]
+    moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    steps = [torch.zeros((), device=DEVICE) for _ in params]
+    reference = [p.clone().requires_grad_() for p in params]
+    torch_adamw = torch.optim.AdamW([dict(params=[p], lr=lr, weight_decay=decay) for p, (lr, decay) in
+                                     zip(reference, rates)], betas=(0.9, 0.95), eps=1e-8, fused=True)
+    pairs = torch.tensor(rates, dtype=torch.float64, device=DEVICE)
+    for _ in range(2):
+        grads = random_tensors(torch.float32, generator)
+        for p, grad in zip(reference, grads):
+            p.grad = grad.clone()
+        torch_adamw.step()
+        tabulated = adamw.tabulate(list(zip(params, grads, *moments, steps)))
+        skipped = torch.zeros(len(params), device=DEVICE)
+        adamw.launch_adamw_(tabulated, skipped, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, rates=pairs)
+        adamw.launch_counts_(tabulated, skipped)
+    for index, p in enumerate(reference):
+        state = torch_adamw.state[p]
+        for ours, theirs in zip((params[index], moments[0][index], moments[1][index]),
+                                (p.detach(), state["exp_avg"], state["exp_avg_sq"])):
+            torch.testing.assert_close(ours, theirs, rtol=4e-6, atol=1e-7)
+
+
 def _tensors(count: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     return [torch.zeros(4, dtype=dtype, device=DEVICE) for _ in range(count)]
 
