@@ -230,11 +230,12 @@ def nonfinite_shard_case(world: int) -> None:
     dtensor_case((world,), [Shard(0)], nan_at=(0, 1, (9, 2)))
 
 
-def fsdp2_case(world: int, max_norm: float | None = None) -> None:
+def fsdp2_case(world: int, max_norm: float | None = None, groups: Sequence[dict] = ()) -> None:
     """fully_shard on a small MLP (uneven shards; empty ones on 4 ranks), biases through AdamW, the batch split
     over ranks; the reference trains an unsharded copy on the whole batch (FSDP2 averages gradients). With
     `max_norm`, Muon.clip_grad_norm_ clips the DTensor gradients (torch's function does it for them) and the
-    reference is clipped by torch's function on one device."""
+    reference is clipped by torch's function on one device. With `groups`, the parameters dealt out to them (see
+    `grouped`): the biases' shards share one AdamW update, each at its group's rates."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 3), nn.Tanh(), nn.Linear(3, 8))
     reference = copy.deepcopy(model)
@@ -243,8 +244,8 @@ def fsdp2_case(world: int, max_norm: float | None = None) -> None:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    ours = Muon(model.parameters(), **OPTIONS, comm_dtype=torch.float32)
-    truth = Muon(reference.parameters(), **OPTIONS)
+    ours = Muon(grouped(list(model.parameters()), groups), **OPTIONS, comm_dtype=torch.float32)
+    truth = Muon(grouped(list(reference.parameters()), groups), **OPTIONS)
     rank, per_rank = dist.get_rank(), 4
     for step in range(STEPS):
         batch = torch.randn(world * per_rank, 16, generator=torch.Generator().manual_seed(200 + step))
@@ -408,6 +409,7 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {
         "fsdp2_fully_shard": partial(fsdp2_case, world),
         "fsdp2_fully_shard_clip_grad_norm": partial(fsdp2_case, world, max_norm=0.05),
+        "fsdp2_fully_shard_groups_by_lr_and_decay": partial(fsdp2_case, world, groups=LR_DECAY_GROUPS),
         "shard0_1d": partial(dtensor_case, (world,), [Shard(0)]),
         "shard1_1d": partial(dtensor_case, (world,), [Shard(1)]),
         "replicate_1d": partial(dtensor_case, (world,), [Replicate()]),
