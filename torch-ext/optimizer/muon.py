@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -249,10 +250,16 @@ _ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step", "nonfinite_skips", "rounding_co
 def _state_keys(group: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, ...]:
     """`keys` with None for the state this group's options do not use: a rounding count kept from an earlier
     state_dtype, a second moment from an earlier normalization. (No state has a None key: its tensor is None.)"""
+    return _used_state_keys(group["state_dtype"], group["normalization"], keys)
+
+
+@functools.cache  # asked twice per group and step (`_init_group`, which runs eagerly under torch.compile too)
+def _used_state_keys(state_dtype: torch.dtype | str | None, normalization: str | None,
+                     keys: tuple[str, ...]) -> tuple[str | None, ...]:
     unused = set()
-    if not rounds_stochastically(group["state_dtype"]):
+    if not rounds_stochastically(state_dtype):
         unused.add("rounding_count")
-    if group["normalization"] is None:
+    if normalization is None:
         unused.update(("update_sq", "update_step"))
     return tuple(None if key in unused else key for key in keys)
 

@@ -101,7 +101,7 @@ class Orthogonalizer:
     @property
     def recipe(self) -> tuple:
         """Its fields: equal for two orthogonalizers that treat every stack alike."""
-        return tuple(getattr(self, field.name) for field in fields(self))
+        return tuple(getattr(self, name) for name in _ORTHOGONALIZER_FIELDS)
 
     def stack_dtype(self, shape: Sequence[int], device: torch.device) -> torch.dtype:
         """The dtype a stack of `shape` on `device` iterates in: `dtype`, or what `matrix_ns_dtype` makes of it."""
@@ -114,6 +114,10 @@ class Orthogonalizer:
         return newton_schulz(matrices, self.coefficients, self.eps, dtype=dtype, algorithm=self.algorithm,
                              preconditioner=self.preconditioner, safety_factor=self.safety_factor,
                              scale_eps=self.scale_eps, overwrite_input=True, workspace=workspace)
+
+
+# Named once: `dataclasses.fields` filters the class's fields at every call, and a step asks each group's recipe.
+_ORTHOGONALIZER_FIELDS = tuple(field.name for field in fields(Orthogonalizer))
 
 
 def staging_dtype(dtype: torch.dtype) -> torch.dtype:
