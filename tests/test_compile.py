@@ -78,6 +78,20 @@ def test_zeropower_on_the_triton_kernels_compiles_to_one_graph() -> None:
     torch.testing.assert_close(compiled, orthogonalize(G), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernels
+def test_a_compiled_step_on_the_triton_kernels_is_one_graph_and_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As an H100 steps a Llama-3-8B layer (its 4096-row products on the Triton kernels): under fullgraph=True, no
+    # break and no recompile from one Newton-Schulz coefficient to the next.
+    monkeypatch.setattr(dispatch, "kernel_choice", lambda shape, dtype, device: "triton")
+    fresh_compile_state()
+    params = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+              for i, shape in enumerate([(24, 16), (16, 24), (24, 16)])]
+    eager_params = [param.clone() for param in params]
+    opt = optimizer.Muon(params, lr=0.02, **FLOAT32_NS)
+    eager = optimizer.Muon(eager_params, lr=0.02, **FLOAT32_NS)
+    assert_steps_match(torch.compile(opt.step, fullgraph=True), eager, params, eager_params)
+
+
 @pytest.mark.parametrize("units", [("amx_bf16", "avx512_bf16"), ("avx512_bf16",)])
 def test_bfloat16_zeropower_compiles_to_one_graph_whichever_kernel_the_cpu_takes(monkeypatch: pytest.MonkeyPatch,
                                                                                  units: tuple[str, ...]) -> None:
