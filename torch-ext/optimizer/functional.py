@@ -283,7 +283,7 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
     rates = Rates(items, lr, weight_decay)
     for round_buckets in _rounds(buckets(items)):
         round_items = [item for bucket in round_buckets for item in bucket]
-        round_lrs, round_decays = rates.of(round_items)
+        round_lrs = rates.of(round_items)[0]
         device = round_items[0].param.device
         stacks = _stacks(round_buckets, workspace, orthogonalizer, device)
         finite = _momentum_into(round_buckets, stacks, momentum, nesterov)
@@ -308,7 +308,7 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
         for index, (item, update, item_lr) in enumerate(zip(round_items, updates, round_lrs)):
             rms_scale = rms_rule_scale(totals[index], item.view, orthogonalizer.eps) if rms_rule else None
             step_sizes.append(-update_step_size(item_lr, adjust_lr_fn, item.view, normalize_spatial, rms_scale))
-        _apply_update_(params, updates, _round_decay(skipped, round_lrs, round_decays, params[0].dtype), step_sizes)
+        _apply_update_(params, updates, _round_decay(skipped, rates, round_items, params[0].dtype), step_sizes)
 
 
 class Rates:
@@ -349,13 +349,14 @@ class Rates:
         return {**settings, "lr": lrs, "weight_decay": decays}
 
 
-def _round_decay(skipped: Tensor, lrs: Sequence[LearningRate], weight_decays: Sequence[float],
-                 dtype: torch.dtype) -> Tensor | None:
+def _round_decay(skipped: Tensor, rates: Rates, items: Sequence[MuonTensors], dtype: torch.dtype) -> Tensor | None:
     """The round's decay factors (`decay_factors`), or None where no parameter of it decays."""
+    uniform = rates.uniform(items)
+    if uniform is not None:
+        return decay_factors(skipped, *uniform, dtype) if uniform[1] != 0 else None
+    lrs, weight_decays = rates.of(items)
     if not any(weight_decays):
         return None
-    if all(item_lr is lrs[0] or item_lr == lrs[0] for item_lr in lrs) and len(set(weight_decays)) == 1:
-        return decay_factors(skipped, lrs[0], weight_decays[0], dtype)
     factors = [1.0 - item_lr * decay for item_lr, decay in zip(lrs, weight_decays)]
     return _on_device(factors, dtype, skipped.device).masked_fill(skipped, 1.0)
 
