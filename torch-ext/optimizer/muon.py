@@ -878,9 +878,10 @@ class Muon(Optimizer):
                 loss = closure()
         option_keys = tuple(self._option_defaults())
         kept = [self._check_step_inputs(group, option_keys) for group in self.param_groups]
-        # is_compiling first: the tracer folds it to True and reads nothing after it (nor can it trace id of a dict).
-        self._kept = {} if torch.compiler.is_compiling() else {
-            id(group): each for group, each in zip(self.param_groups, kept) if each is not None}
+        # Not while tracing: dynamo in torch 2.11 cannot set an attribute of the optimizer (2.13's can), nor trace id()
+        # of a dict. Kept entries stay valid across compiled steps: each holds only while its options are the same.
+        if not torch.compiler.is_compiling():
+            self._kept = {id(group): each for group, each in zip(self.param_groups, kept) if each is not None}
         state_tensors: list[list[Tensor | None]] = [[] for _ in self.param_groups]
         for group, tensors in zip(self.param_groups, state_tensors):
             self._init_group(group, tensors)
