@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import native
 from .distributed.dtensors import is_dtensor
+from .functional import picked
 
 # torch.nn.utils.clip_grad_norm_'s guard against dividing by a zero norm.
 _NORM_EPS = 1e-6
@@ -44,17 +45,22 @@ def clip_by_tensor_norms_(grads: Sequence[Tensor], max_norm: float, norm_type: f
     """torch.nn.utils.clip_grad_norm_'s arithmetic on one device, bit for bit where the gradients share a dtype:
     each gradient's norm by `torch._foreach_norm` (one multi-tensor call per dtype), the total the norm of those,
     every gradient multiplied by min(1, max_norm / (total + 1e-6)) without a host sync. Returns the total and (N,)
-    float32 flags, 1.0 where a gradient is finite after the scaling: its own norm tells, so the next step need not
-    read it. A finite gradient whose norm overflows its dtype's accumulation (an entry beyond ~1e19 in float32) counts
-    as not finite; its step is skipped, where torch's clip would have zeroed every gradient (the total is Inf too)."""
+    float32 flags, 1.0 where a gradient is not finite after the scaling (the step's skip flags): its own norm tells,
+    so the next step need not read it. A finite gradient whose norm overflows its dtype's accumulation (an entry
+    beyond ~1e19 in float32) counts as not finite; its step is skipped, where torch's clip would have zeroed every
+    gradient (the total is Inf too)."""
     norms, groups = native.tensor_norms(grads, norm_type)
-    total = torch.linalg.vector_norm(torch.stack([norms[i] for indices in groups for i in indices]), norm_type)
+    stacked = torch.stack(norms)
+    # torch stacks the norms dtype group by dtype group: with one group, in the gradients' order.
+    in_group_order = stacked if len(groups) == 1 else torch.stack([norms[i] for indices in groups for i in indices])
+    total = torch.linalg.vector_norm(in_group_order, norm_type)
     if error_if_nonfinite and not bool(total.isfinite()):
         _raise_nonfinite(total)
     scale = (max_norm / (total + _NORM_EPS)).clamp(max=1.0)
     for indices in groups:
         torch._foreach_mul_([grads[i] for i in indices], scale)
-    return total, torch.stack(norms).isfinite().to(torch.float32) * scale.isfinite().to(torch.float32)
+    # scale is in [0, 1] or NaN: a norm times it is finite exactly where both are.
+    return total, (stacked * scale).isfinite().logical_not().to(torch.float32)
 
 
 def _raise_nonfinite(total: Tensor) -> None:
@@ -67,7 +73,7 @@ def clip_grad_norm_(grads: Sequence[Tensor], max_norm: float, error_if_nonfinite
                     ) -> tuple[Tensor, Tensor]:
     """Scales `grads` in place by min(1, max_norm / (total + 1e-6)), `total` being the L2 norm of all of them, as
     torch.nn.utils.clip_grad_norm_ does (a scale of exactly 1 is skipped: it changes nothing). Returns `total`
-    (float32, float64 if a gradient is) and (N,) float32 flags, 1.0 where a gradient is finite after the scaling.
+    (float32, float64 if a gradient is) and (N,) float32 flags, 1.0 where a gradient is not finite after the scaling.
 
     Each gradient is read once (`reads_once` must hold): its sum of squares in float64, finite exactly when the
     gradient is (float64 gradients, whose squares can overflow, are checked apart). The total is accumulated in
@@ -85,28 +91,29 @@ def clip_grad_norm_(grads: Sequence[Tensor], max_norm: float, error_if_nonfinite
     scale = (max_norm / (total + _NORM_EPS)).clamp(max=1.0)
     if float(scale) != 1.0:
         torch._foreach_mul_(list(grads), scale)
-    return total, finite.to(torch.float32) * scale.isfinite().to(torch.float32)
+    return total, (finite & scale.isfinite()).logical_not().to(torch.float32)
 
 
 class CheckedGradients:
-    """The finite flags a clip left for the next step, each valid while its parameter's gradient is still the tensor
-    that was checked, unchanged since (same tensor, same version counter: in-place writes bump it, except writes
-    through `.data`). Gradients are held weakly: one set to None and freed is simply no longer checked."""
+    """The non-finite flags a clip left for the next step, each valid while its parameter's gradient is still the
+    tensor that was checked, unchanged since (same tensor, same version counter: in-place writes bump it, except
+    writes through `.data`). Gradients are held weakly: one set to None and freed is simply no longer checked."""
 
-    def __init__(self, params: Sequence[Tensor], finite: Tensor) -> None:
-        self._checked = {param: (weakref.ref(param.grad), param.grad._version, flag)
-                         for param, flag in zip(params, finite.unbind())}
+    def __init__(self, params: Sequence[Tensor], nonfinite: Tensor) -> None:
+        self._nonfinite = nonfinite
+        self._checked = {param: (weakref.ref(param.grad), param.grad._version, index)
+                         for index, param in enumerate(params)}
 
     def found_inf(self, params: Sequence[Tensor]) -> Tensor | None:
         """(N,) float32, 1.0 where params[i]'s gradient is not finite, if every one of them was checked and is
-        unchanged; else None (the step reads them itself)."""
-        flags = []
+        unchanged; else None (the step reads them itself). Not to be written: it may be a slice of the clip's."""
+        indices = []
         for param in params:
             checked = self._checked.get(param)
             if checked is None:
                 return None
-            grad_ref, version, flag = checked
+            grad_ref, version, index = checked
             if grad_ref() is not param.grad or param.grad._version != version:
                 return None
-            flags.append(flag)
-        return 1.0 - torch.stack(flags)
+            indices.append(index)
+        return picked(self._nonfinite, indices)

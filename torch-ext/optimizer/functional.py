@@ -145,20 +145,23 @@ def momentum_step_(buffers: Sequence[Tensor], grads: Sequence[Tensor], outputs: 
     if agreed is not None:
         finite = finite * agreed  # products of 0.0 and 1.0: exact
     if rounded:
-        advance_counts_([rounding_counts[i] for i in rounded], _picked(finite, rounded))
+        advance_counts_([rounding_counts[i] for i in rounded], picked(finite, rounded))
     return finite
 
 
-def _picked(values: Tensor, indices: Sequence[int]) -> Tensor:
-    """values[indices] without an index tensor: torch copies a list index to a GPU from pageable memory, which
-    synchronizes the host with the device. The selected entries are views, stacked in one kernel."""
-    if list(indices) == list(range(len(values))):
-        return values
+def picked(values: Tensor, indices: Sequence[int]) -> Tensor:
+    """values[indices], to be read only, without an index tensor: torch copies a list index to a GPU from pageable
+    memory, which synchronizes the host with the device. Consecutive indices are a slice of `values` (no operator
+    call); others are views stacked in one kernel."""
+    indices = list(indices)
+    start = indices[0] if indices else 0
+    if indices == list(range(start, start + len(indices))):
+        return values[start:start + len(indices)]
     return torch.stack([values[i] for i in indices])
 
 
 def _merged(parts: Sequence[tuple[list[int], Tensor]], total: int) -> Tensor:
-    """One (total,) tensor of the flags each part computed for its indices (stacked from views, as in `_picked`)."""
+    """One (total,) tensor of the flags each part computed for its indices (stacked from views, as in `picked`)."""
     entries: list[Tensor | None] = [None] * total
     for indices, flags in parts:
         for index, flag in zip(indices, flags.unbind()):
@@ -404,7 +407,7 @@ def _apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: T
             break
     if rest:
         native.apply_update_([params[i] for i in rest], [updates[i] for i in rest],
-                             None if decay is None else _picked(decay, rest), [step_sizes[i] for i in rest])
+                             None if decay is None else picked(decay, rest), [step_sizes[i] for i in rest])
 
 
 @dataclass
@@ -456,7 +459,7 @@ def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr:
     if found_inf is None:
         flags = nonfinite_flags([item.grad for item in rest])
     else:
-        flags = _picked(found_inf, left)
+        flags = picked(found_inf, left)
     _count_steps_(rest, flags)
     for item, flag in zip(rest, flags.unbind()):
         _fused_adamw_one_(item, flag, *rates.uniform([item]), betas=betas, eps=eps)
@@ -490,7 +493,7 @@ def _adamw_one_launch_(items: Sequence[AdamWTensors], found_inf: Tensor | None, 
     for done, group in enumerate(plan.groups):
         tabulated = group.tabulated_for(items)
         try:
-            skipped = launch_nonfinite_(tabulated) if found_inf is None else _picked(found_inf, group.indices)
+            skipped = launch_nonfinite_(tabulated) if found_inf is None else picked(found_inf, group.indices)
             launch_adamw_(tabulated, skipped, betas=betas, eps=eps, **_launch_rates(rates, group.indices, items))
         except ValueError:
             raise

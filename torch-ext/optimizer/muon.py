@@ -912,12 +912,12 @@ class Muon(Optimizer):
         grads = [param.grad for param in params]
         self._checked_gradients = None
         if reads_once(grads, norm_type):
-            total, finite = clip_grad_norm_(grads, max_norm, error_if_nonfinite)
+            total, nonfinite = clip_grad_norm_(grads, max_norm, error_if_nonfinite)
         elif foreach is not False and tensor_norms_serve(grads):
-            total, finite = clip_by_tensor_norms_(grads, max_norm, float(norm_type), error_if_nonfinite)
+            total, nonfinite = clip_by_tensor_norms_(grads, max_norm, float(norm_type), error_if_nonfinite)
         else:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        self._checked_gradients = CheckedGradients(params, finite)
+        self._checked_gradients = CheckedGradients(params, nonfinite)
         return total
 
     def nonfinite_skips(self) -> int:
