@@ -26,7 +26,8 @@ CONFIGS: dict[str, dict | None] = {
     "optimizer.Muon, state_dtype=torch.bfloat16": {"state_dtype": torch.bfloat16},
     "optimizer.Muon, state_dtype='int8'": {"state_dtype": "int8"},
 }
-GPU_CONFIGS = {"optimizer.Muon, offload='cpu'": {"offload": "cpu"}}  # on a CPU the option moves nothing
+GPU_CONFIGS = {"optimizer.Muon, offload='cpu'": {"offload": "cpu"},  # on a CPU the option moves nothing
+               "optimizer.Muon, offload='cpu', state_dtype='int8'": {"offload": "cpu", "state_dtype": "int8"}}
 
 # How the peak is measured, per device type, for the report.
 METHOD = {"cuda": "torch.cuda.max_memory_allocated", "cpu": "peak resident set of a fresh process, VmHWM"}
