@@ -247,7 +247,7 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype
                 rows += _auto_and_products_alone_rows(optimizer, auto, auto_label, G.to(ns_dtype), case, flop,
                                                       baseline, repeats)
                 ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, algorithm="gram"), device, repeats)
-                picks = _ns_algorithm(optimizer, m, n, ns_dtype)
+                picks = _ns_algorithm(optimizer, m, n, ns_dtype, device)
                 rows.append(Row("zeropower", case, f"zeropower {ns_name} algorithm=gram (auto would pick {picks})",
                                 ms, flop, baseline))
                 rows.append(_aol_row(optimizer, G, ns_dtype, case, flop, baseline, repeats))
@@ -319,10 +319,10 @@ def _polar_express(optimizer) -> list[tuple[float, float, float]]:
     return importlib.import_module(f"{optimizer.__name__}.coefficients").resolve_coefficients("polar_express", 5, None)
 
 
-def _ns_algorithm(optimizer, m: int, n: int, ns_dtype: torch.dtype) -> str:
-    """What `ns_algorithm="auto"` picks for an (m, n) matrix iterated in `ns_dtype`."""
+def _ns_algorithm(optimizer, m: int, n: int, ns_dtype: torch.dtype, device: torch.device) -> str:
+    """What `ns_algorithm="auto"` picks for an (m, n) matrix iterated in `ns_dtype` on `device`."""
     module = importlib.import_module(f"{optimizer.__name__}.newton_schulz")
-    return module.resolve_algorithm("auto", sorted((m, n)), 5, ns_dtype)
+    return module.resolve_algorithm("auto", sorted((m, n)), 5, ns_dtype, device.type)
 
 
 def _auto_and_products_alone_rows(optimizer, auto: Callable[[], object], auto_label: str, G: torch.Tensor, case: str,

@@ -438,12 +438,32 @@ def test_gram_flop_counts_the_products_the_iteration_runs(dtype, steps):
 def test_auto_picks_the_algorithm_with_fewer_flops(shape, expected):
     """Fewer FLOPs by at least 3M a matrix: below that Gram's extra calls cost more than its products save."""
     wide = tuple(sorted(shape))
-    assert resolve_algorithm("auto", wide, 5, torch.float32) == expected
+    assert resolve_algorithm("auto", wide, 5, torch.float32, "cpu") == expected
     # the large shapes at an eighth of their size (the same choice there), the small ones as they are
     G = random_matrix(*(size // 8 for size in shape)) if min(shape) >= 768 else random_matrix(*shape)
     # float32 named: the default dtype is bfloat16 on CPUs with bf16 matrix units, where "auto" keeps "standard".
     torch.testing.assert_close(zeropower(G, 5, dtype=torch.float32, algorithm="auto"),
                                zeropower(G, 5, dtype=torch.float32, algorithm=expected), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape, dtype, device_type, expected", [
+    ((2048, 8192), torch.bfloat16, "cuda", "gram"), ((8192, 2048), torch.float16, "cuda", "gram"),
+    ((4096, 14336), torch.bfloat16, "cuda", "gram"), ((768, 3072), torch.bfloat16, "cuda", "standard"),
+    ((2048, 4096), torch.bfloat16, "cuda", "standard"), ((4096, 4096), torch.bfloat16, "cuda", "standard"),
+    ((2048, 8192), torch.bfloat16, "cpu", "standard"), ((768, 3072), torch.float32, "cuda", "gram")])
+def test_auto_in_16_bit_takes_gram_only_on_gpus_and_large_wide_matrices(shape, dtype, device_type, expected):
+    """The float16 Gram iteration ran faster than the standard bf16 one on GPUs at 2048x8192 (two thirds of its
+    FLOPs) and slower at 768x3072; in 16-bit on CPUs its m x m part runs in float32, slower than the products it saves.
+    Where the iteration runs in float32 the FLOP rule holds on every device."""
+    assert resolve_algorithm("auto", tuple(sorted(shape)), 5, dtype, device_type) == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_on_a_gpu_runs_gram_on_a_large_wide_bf16_matrix():
+    G = torch.randn(2048, 8192, generator=torch.Generator().manual_seed(0)).cuda()
+    auto = zeropower(G, 5, dtype=torch.bfloat16, algorithm="auto")
+    assert torch.equal(auto, zeropower(G, 5, dtype=torch.bfloat16, algorithm="gram"))
+    assert not torch.equal(auto, zeropower(G, 5, dtype=torch.bfloat16, algorithm="standard"))
 
 
 # --- AOL preconditioning -----------------------------------------------------------------------------------------

@@ -88,19 +88,25 @@ def test_cost_is_the_flop_count_of_the_iteration_that_runs() -> None:
     # and 17 products of m x m (2 m³ = 128 each): 2560, the same as standard at this shape; at (4, 64) Gram does fewer,
     # but "auto" takes it only where it saves 3M FLOPs a matrix, as at (32, 512).
     view = routing.matrix_view(torch.Size((4, 6)))
-    assert assignment.iteration_flops(view, 5, "standard", torch.float32) == 5 * 512
-    assert assignment.iteration_flops(routing.matrix_view(torch.Size((6, 4))), 5, "standard", torch.float32) == 5 * 512
+    assert assignment.iteration_flops(view, 5, "standard", torch.float32, "cpu") == 5 * 512
+    assert assignment.iteration_flops(routing.matrix_view(torch.Size((6, 4))), 5, "standard", torch.float32,
+                                      "cpu") == 5 * 512
     assert assignment.iteration_flops(routing.matrix_view(torch.Size((3, 4, 6))), 5, "standard",
-                                      torch.float32) == 3 * 5 * 512
-    assert assignment.iteration_flops(view, 5, "gram", torch.float32) == 384 + 17 * 128
+                                      torch.float32, "cpu") == 3 * 5 * 512
+    assert assignment.iteration_flops(view, 5, "gram", torch.float32, "cpu") == 384 + 17 * 128
     small = routing.matrix_view(torch.Size((4, 64)))
     small_gram, small_standard = 4 * 16 * 64 + 17 * 128, 5 * (4 * 16 * 64 + 128)
-    assert assignment.iteration_flops(small, 5, "gram", torch.float32) == small_gram < small_standard
-    assert assignment.iteration_flops(small, 5, "auto", torch.float32) == small_standard
+    assert assignment.iteration_flops(small, 5, "gram", torch.float32, "cpu") == small_gram < small_standard
+    assert assignment.iteration_flops(small, 5, "auto", torch.float32, "cpu") == small_standard
     wide = routing.matrix_view(torch.Size((32, 512)))
     gram, standard = 4 * 32**2 * 512 + 17 * 2 * 32**3, 5 * (4 * 32**2 * 512 + 2 * 32**3)
-    assert assignment.iteration_flops(wide, 5, "auto", torch.float32) == gram <= standard - 3e6
-    assert assignment.iteration_flops(wide, 5, "auto", torch.bfloat16) == standard
+    assert assignment.iteration_flops(wide, 5, "auto", torch.float32, "cpu") == gram <= standard - 3e6
+    assert assignment.iteration_flops(wide, 5, "auto", torch.bfloat16, "cpu") == standard
+    # In 16-bit on GPUs, Gram from 2048 rows where it does at most 3/4 of the FLOPs (newton_schulz.resolve_algorithm).
+    large, flop = routing.matrix_view(torch.Size((8192, 2048))), submodule(optimizer, "newton_schulz")
+    assert assignment.iteration_flops(large, 5, "auto", torch.bfloat16, "cuda") == flop.gram_flop(2048, 8192, 5,
+                                                                                                torch.bfloat16)
+    assert assignment.iteration_flops(large, 5, "auto", torch.bfloat16, "cpu") == flop.standard_flop(2048, 8192, 5)
 
 
 def _chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:

@@ -46,12 +46,12 @@ _FILL_SLACK = 0.01
 COLUMNS, EXPERTS = "columns", "experts"
 
 
-def iteration_flops(view: MatrixView, steps: int, algorithm: str, dtype: torch.dtype) -> float:
+def iteration_flops(view: MatrixView, steps: int, algorithm: str, dtype: torch.dtype, device_type: str) -> float:
     """FLOPs of the Newton-Schulz iteration `zeropower` runs on the view's matrices: the one `algorithm` resolves to
-    for the matrix's wide orientation in `dtype` (standard or Gram, `newton_schulz.resolve_algorithm`), full
-    products counted. The owners balance this, the work each owner will do."""
+    for the matrix's wide orientation in `dtype` on a `device_type` mesh (standard or Gram,
+    `newton_schulz.resolve_algorithm`), full products counted. The owners balance this, the work each owner will do."""
     short, long = sorted((view.rows, view.cols))
-    if resolve_algorithm(algorithm, (short, long), steps, dtype) == "gram":
+    if resolve_algorithm(algorithm, (short, long), steps, dtype, device_type) == "gram":
         return view.batch * gram_flop(short, long, steps, dtype)
     return view.batch * standard_flop(short, long, steps)
 
@@ -105,10 +105,13 @@ class Share:
 def work_of(view: MatrixView, layout: ShardLayout, steps: int, algorithm: str, dtype: torch.dtype,
             device_type: str) -> Work:
     """An item's work and how it may be divided: a bank of several experts along its one batch dim; a single
-    matrix along the long dim of its wide orientation when it runs the standard iteration (the Gram iteration's
-    (m, m) products cannot be divided that way) on a mesh of `device_type` not in NO_COLUMN_DIVISION_ON. Only along
-    dims whose storage order is the global order."""
-    flops = iteration_flops(view, steps, algorithm, dtype)
+    matrix along the long dim of its wide orientation, on a mesh of `device_type` not in NO_COLUMN_DIVISION_ON,
+    into shares that run the divided standard iteration (the Gram iteration's (m, m) products cannot be divided that
+    way): where it runs the standard iteration whole, and where "auto" takes Gram in 16-bit on a GPU, for speed
+    alone (whole, it runs Gram; divided, the standard iteration, as near the polar factor in 16-bit), but not where
+    Gram was asked for, nor in float32 and float64, where a matrix stays whole to run what one device would. Only
+    along dims whose storage order is the global order."""
+    flops = iteration_flops(view, steps, algorithm, dtype, device_type)
     ndim = len(layout.shape)
     in_order = [dim for dim in range(ndim) if not layout.orders or layout.orders[dim] is None]
     batch_dims = view.batch_dims(ndim)
@@ -120,8 +123,9 @@ def work_of(view: MatrixView, layout: ShardLayout, steps: int, algorithm: str, d
         return Work(flops)
     short, long = sorted((view.rows, view.cols))
     long_dim = view.row_dim if view.rows > view.cols else (view.column_dims[0] if len(view.column_dims) == 1 else None)
+    gram = resolve_algorithm(algorithm, (short, long), steps, dtype, device_type) == "gram"
     if (device_type in NO_COLUMN_DIVISION_ON or ndim != 2 or long_dim not in in_order or long < 2 * MIN_SHARE_COLUMNS
-            or resolve_algorithm(algorithm, (short, long), steps, dtype) != "standard"):
+            or algorithm == "gram" or (gram and dtype.itemsize > 2)):
         return Work(flops)
     return Work(flops, Splitting(COLUMNS, long_dim, long, column_share_flops(short, 1, steps), MIN_SHARE_COLUMNS))
 
@@ -134,13 +138,13 @@ def holds_whole_matrices(view: MatrixView, layout: ShardLayout) -> bool:
 
 
 def in_place_loads(banks: Iterable[tuple[MatrixView, ShardLayout]], world: int, steps: int, algorithm: str,
-                   dtype: torch.dtype) -> list[float]:
+                   dtype: torch.dtype, device_type: str) -> list[float]:
     """Per rank, the Newton-Schulz FLOPs of the whole matrices it holds of the banks updated in place."""
     loads = [0.0] * world
     for view, layout in banks:
         for rank, box in enumerate(layout.boxes):
             loads[rank] += iteration_flops(replace(view, batch=box_numel(box) // (view.rows * view.cols)), steps,
-                                           algorithm, dtype)
+                                           algorithm, dtype, device_type)
     return loads
 
 
@@ -168,11 +172,11 @@ def plan_spread(views: tuple[MatrixView, ...], layouts: tuple[ShardLayout, ...],
     512 ranks leave half the ranks without any): banks are then released into the pipeline, the one weighing most
     on the busiest rank first, until no rank's banks exceed the mean, and the released plan is kept if it balances
     better (whole experts may be too coarse to)."""
-    iteration = (steps, algorithm, dtype)
+    iteration = (steps, algorithm, dtype, device_type)
     held = [j for j, (view, layout) in enumerate(zip(views, layouts))
             if keep_banks and holds_whole_matrices(view, layout)]
     loads = {j: in_place_loads([(views[j], layouts[j])], world, *iteration) for j in held}
-    works = [work_of(view, layout, *iteration, device_type) for view, layout in zip(views, layouts)]
+    works = [work_of(view, layout, *iteration) for view, layout in zip(views, layouts)]
     mean = (sum(sum(load) for load in loads.values())
             + sum(works[j].flops for j in range(len(views)) if j not in loads)) / world
     kept = _planned(works, loads, list(held), world, chunk_size)
