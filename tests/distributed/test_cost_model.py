@@ -104,7 +104,7 @@ def test_no_plan_loads_its_busiest_rank_more_than_every_matrix_whole(shapes: lis
 
 
 def test_flops_are_the_products_of_the_iteration_each_owner_runs() -> None:
-    plan = optimizer.plan_step(GPT2_SMALL, 8, ns_steps=5)  # bfloat16: "auto" keeps the standard iteration
+    plan = optimizer.plan_step(GPT2_SMALL, 8, ns_steps=5)  # bf16, 768 rows: "auto" keeps the standard one
     assert sum(plan.flops_per_rank) == sum(_hand_flops(shape, 5) for shape in GPT2_SMALL)
     # float32 on a 768x3072 matrix: "auto" runs the Gram iteration, X Xᵀ and Q X once (4 m² n) and 4 * 5 - 3
     # products of m x m (2 m³ each), fewer than the standard iteration's.
