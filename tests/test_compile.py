@@ -127,6 +127,17 @@ def test_a_compiled_muon_step_is_one_graph_and_equals_eager() -> None:
     assert_steps_match(torch.compile(opt.step, fullgraph=True), eager, params, eager_params)  # fullgraph: no break
 
 
+def test_a_compiled_step_on_the_gram_iteration_is_one_graph_and_equals_eager() -> None:
+    # ns_algorithm="auto" takes it for large wide matrices on GPUs in 16-bit, and for wide float32 ones everywhere.
+    fresh_compile_state()
+    params = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(
+        [(48, 160), (48, 160), (160, 48)])]
+    eager_params = [param.clone() for param in params]
+    opt = _MuonSettingNothingWhileTraced(params, lr=0.02, ns_algorithm="gram", **FLOAT32_NS)
+    eager = optimizer.Muon(eager_params, lr=0.02, ns_algorithm="gram", **FLOAT32_NS)
+    assert_steps_match(torch.compile(opt.step, fullgraph=True), eager, params, eager_params)
+
+
 @pytest.mark.parametrize("options", [{}, {"normalization": "neuron"}, {"state_dtype": torch.bfloat16},
                                      {"state_dtype": "int8"}], ids=["plain", "NorMuon", "bf16 state", "int8 state"])
 def test_a_compiled_step_of_groups_differing_in_lr_and_weight_decay_equals_the_eager_step(options: dict) -> None:
