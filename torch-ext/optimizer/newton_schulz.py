@@ -231,11 +231,11 @@ def resolve_algorithm(algorithm: str, shape: Sequence[int], steps: int, dtype: t
     if algorithm != "auto":
         return algorithm
     m, n = shape[-2], shape[-1]
-    standard, gram = standard_flop(m, n, steps), gram_flop(m, n, steps, dtype)
     if dtype.itemsize <= 2:
-        pays = device_type == "cuda" and m >= _GPU_GRAM_MIN_ROWS and gram <= _GPU_GRAM_MAX_FLOP_SHARE * standard
+        pays = (device_type == "cuda" and m >= _GPU_GRAM_MIN_ROWS
+                and gram_flop(m, n, steps, dtype) <= _GPU_GRAM_MAX_FLOP_SHARE * standard_flop(m, n, steps))
     else:
-        pays = standard - gram >= _GRAM_MIN_SAVED_FLOP
+        pays = standard_flop(m, n, steps) - gram_flop(m, n, steps, dtype) >= _GRAM_MIN_SAVED_FLOP
     return "gram" if pays else "standard"
 
 
