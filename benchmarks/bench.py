@@ -435,6 +435,8 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         rows += [Row("Muon.step", case, label, ms, flop, baseline) for label, ms in zip(steppers, ours_ms)]
         numel = sum(p.numel() for p in matrices + vectors)
         notes += [f"{name}: optimizer state per parameter: {label} {state_bytes(opt) / numel:.2f} bytes"
+                  + (f" ({state_bytes(opt, device) / numel:.4f} on the GPU between steps)" if "offload=" in label
+                     else "")
                   for label, opt in {"torch.optim.Muon + AdamW": theirs, "optimizer.Muon (defaults)": [ours],
                                      **{f"optimizer.Muon, {key}": [opt] for key, opt in variants.items()}}.items()]
         notes += [f"{name}, {label}: {_offload_floor(opt, device)}" for label, opt in variants.items()
@@ -606,10 +608,11 @@ def _adamw_part_rows(optimizer, device: torch.device, case: str, params: list[to
     return rows
 
 
-def state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
-    """Bytes of every tensor the optimizers keep as state (counters included)."""
+def state_bytes(optimizers: list[torch.optim.Optimizer], device: torch.device | None = None) -> int:
+    """Bytes of every tensor the optimizers keep as state (counters included), or only of those on `device`."""
     return sum(value.numel() * value.element_size() for opt in optimizers for state in opt.state.values()
-               for value in state.values() if isinstance(value, torch.Tensor))
+               for value in state.values() if isinstance(value, torch.Tensor)
+               and (device is None or value.device.type == device.type))
 
 
 # ---------------------------------------------------------------------------------------------------------------

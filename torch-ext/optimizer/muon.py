@@ -29,7 +29,8 @@ from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, Rates, by_device
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
-from .offload import OFFLOAD_TARGETS, home_device, keep_at_home, staged_adamw_update, staged_muon_update
+from .offload import (OFFLOAD_TARGETS, StagedUpdates, home_device, keep_at_home, staged_adamw_update,
+                      staged_muon_update)
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
 from .routing import CONV_MODES, PARAM_LAYOUTS, MatrixView, check_forced_muon, muon_view
@@ -758,14 +759,17 @@ class Muon(Optimizer):
             keep_at_home(state, home_device(param, self.offload))
         return state
 
-    def _muon_steps(self, parts: list[tuple[dict[str, Any], list[MuonTensors]]]) -> None:
-        """Each group's Muon update (`_muon_step`), groups that share buckets in one call of each update."""
+    def _muon_steps(self, parts: list[tuple[dict[str, Any], list[MuonTensors]]],
+                    schedule: StagedUpdates | None) -> None:
+        """Each group's Muon update (`_muon_step`), groups that share buckets in one call of each update; offloaded
+        buckets go to `schedule`."""
         pending: _Pending = {}
         for group, items in parts:
-            self._muon_step(group, items, pending)
+            self._muon_step(group, items, pending, schedule)
         _run_pending(pending)
 
-    def _muon_step(self, group: dict[str, Any], items: list[MuonTensors], pending: _Pending) -> None:
+    def _muon_step(self, group: dict[str, Any], items: list[MuonTensors], pending: _Pending,
+                   schedule: StagedUpdates | None) -> None:
         """One group's Muon update, added to `pending` (an update and the groups' settings and items it takes): its
         parameters spread over ranks for `distributed_muon_update`, its local ones for `staged_muon_update`, each
         under a key equal for groups whose updates differ only in lr and weight decay (layer-wise lr decay: a group
@@ -783,7 +787,7 @@ class Muon(Optimizer):
             self._pend(pending, distributed_muon_update, spread, process_group=self.process_group,
                        comm_dtype=group["comm_dtype"], chunk_size=group["chunk_size"], **settings)
         if local:
-            self._pend(pending, staged_muon_update, local, workspace=self._workspace, **settings)
+            self._pend(pending, staged_muon_update, local, workspace=self._workspace, schedule=schedule, **settings)
 
     def _muon_settings(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
         """`_muon_settings` of the group, kept with its options where they are (`_Kept`)."""
@@ -817,26 +821,29 @@ class Muon(Optimizer):
     # torch's fused AdamW kernel cannot go into a compiled graph (inductor cannot lower it; torch keeps it out of its
     # own): the whole AdamW part runs eagerly, one break per step, outside any loop a compiled step must keep.
     @torch.compiler.disable
-    def _adamw_steps(self, groups: list[tuple[dict[str, Any], list[AdamWTensors]]]) -> None:
+    def _adamw_steps(self, groups: list[tuple[dict[str, Any], list[AdamWTensors]]],
+                     schedule: StagedUpdates | None) -> None:
         """Each group's AdamW update (`_adamw_step`), groups that differ only in lr and weight decay in one update:
         GPT-2 small's structure at 1/384 width with a param group per block took 2.10-2.17 ms a step with an update
-        per group, 2.00-2.04 shared (2-core Xeon); on a GPU each update is three Triton launches."""
+        per group, 2.00-2.04 shared (2-core Xeon); on a GPU each update is three Triton launches. Offloaded groups
+        of parameters go to `schedule`."""
         try:
             pending: _Pending = {}
             for group, items in groups:
-                self._adamw_step(group, items, pending)
+                self._adamw_step(group, items, pending, schedule)
             _run_pending(pending)
         finally:
             self._checked_gradients = None  # one step's worth: the next clip checks afresh
 
-    def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors], pending: _Pending) -> None:
+    def _adamw_step(self, group: dict[str, Any], items: list[AdamWTensors], pending: _Pending,
+                    schedule: StagedUpdates | None) -> None:
         """One group's AdamW update, added to `pending` as `_muon_step` adds its Muon update."""
         weight_decay = group["adamw_weight_decay"]
-        self._pend(pending, self._adamw_update, items, lr=self._adamw_lr(group),
+        self._pend(pending, self._adamw_update, items, schedule=schedule, lr=self._adamw_lr(group),
                    betas=tuple(map(_as_real, group["adamw_betas"])), eps=_as_real(group["adamw_eps"]),
                    weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
 
-    def _adamw_update(self, items: list[AdamWTensors], **settings: Any) -> None:
+    def _adamw_update(self, items: list[AdamWTensors], *, schedule: StagedUpdates | None, **settings: Any) -> None:
         """The AdamW update of items whose `lr` and `weight_decay` are one for all or one per item."""
         rates = Rates(items, settings["lr"], settings["weight_decay"])
         for device_items in by_device(items).values():
@@ -852,7 +859,7 @@ class Muon(Optimizer):
                 found_inf = found_inf_flags(grads)
             if spread:
                 device_items = [_local_adamw_item(item) for item in device_items]
-            staged_adamw_update(device_items, found_inf, **device_settings)
+            staged_adamw_update(device_items, found_inf, schedule=schedule, **device_settings)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,
@@ -886,11 +893,15 @@ class Muon(Optimizer):
         for group, tensors in zip(self.param_groups, state_tensors):
             self._init_group(group, tensors)
         gathered = [self._gather(group, tensors) for group, tensors in zip(self.param_groups, state_tensors)]
-        self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(self.param_groups, gathered)])
+        # Offloaded updates wait for the step's last one, so that both parts' state streams in one schedule.
+        schedule = StagedUpdates() if self.offload is not None else None
+        self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(self.param_groups, gathered)], schedule)
         adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(self.param_groups, gathered)
                         if adamw_items]
         if adamw_groups:
-            self._adamw_steps(adamw_groups)
+            self._adamw_steps(adamw_groups, schedule)
+        if schedule is not None:
+            schedule.run()
         if qk_logits:
             qk_clip_(self.qk_clip, qk_logits, self.qk_clip_threshold, self.process_group)
         return loss
