@@ -9,7 +9,9 @@ they are and as int8 codes (the rows that missed issue 12's targets on the H100:
 step's time; int8 offload 3.0x and 3.5x where its copies need 0.5x), and on the Llama
 layer also compiled (1.15x of torch's speed there, against 1.31x eager). GPT-2 small's AdamW part alone (its 97
 vectors and embedding: 0.49x of fused AdamW's speed on the H100, host-bound) is profiled too. Each step of ours also
-gets a table of its Python functions by cumulative time (cProfile over PYTHON_STEPS steps), the host work to shrink.
+gets a table of its Python functions by cumulative time (cProfile over PYTHON_STEPS steps), the host work to shrink,
+and on a GPU every step a line on how its device work overlapped (`device_timeline`: copies each way and kernels,
+and the host's waits), which tells an offloaded step's serialized copies from its host-bound stretches.
 
 On a GPU a small model's step is bound by the host, not by the products (the H100 run of 2026-11-23: 24 ms for ~2 ms
 of Newton-Schulz), so the launch count and the host time per operator are what to shrink.
@@ -105,8 +107,49 @@ def profile_step(step: Callable[[], None], device: torch.device) -> list[str]:
         by_shape = trace.key_averages(group_by_input_shape=True)
         lines += ["", "Operators by kernel time and input shapes:", "", "```",
                   by_shape.table(sort_by="self_cuda_time_total", row_limit=TOP // 2, max_name_column_width=40,
-                                 max_shapes_column_width=100), "```"]
+                                 max_shapes_column_width=100), "```", "", device_timeline(events)]
     return lines
+
+
+# The device's work by kind, told by the names the profiler gives its activities (copies: "Memcpy HtoD (Pinned ->
+# Device)", "Memcpy DtoH (...)"); a copy within the device counts as a kernel.
+_DEVICE_KINDS = {"HtoD": "copies to the GPU", "DtoH": "copies to the host"}
+# The runtime calls in which the host waits for the device.
+_HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def device_timeline(events) -> str:
+    """How the step's device work overlapped (an offloaded step's copies with its kernels, and the two directions of
+    copies with each other): each kind's busy time (the union of its intervals), the span from the first to the
+    last, and the host's time in the runtime calls that wait for the device."""
+    busy: dict[str, list[tuple[float, float]]] = {kind: [] for kind in (*_DEVICE_KINDS.values(), "kernels")}
+    waits = {name: 0.0 for name in _HOST_WAITS}
+    for event in events:
+        interval = (event.time_range.start, event.time_range.end)
+        if event.name in waits:
+            waits[event.name] += interval[1] - interval[0]
+        elif event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = next((kind for key, kind in _DEVICE_KINDS.items() if key in event.name), "kernels")
+            busy[kind].append(interval)
+    spans = [interval for intervals in busy.values() for interval in intervals]
+    if not spans:
+        return "Device timeline: no device activity recorded"
+    span = max(end for _, end in spans) - min(start for start, _ in spans)
+    parts = [f"{kind} {_union_length(intervals) / 1e3:.2f} ms" for kind, intervals in busy.items()]
+    waited = [f"{name} {total / 1e3:.2f} ms" for name, total in waits.items() if total]
+    return (f"Device timeline: busy {', '.join(parts)}, all within {span / 1e3:.2f} ms from the first to the last; "
+            f"the device busy with anything {_union_length(spans) / 1e3:.2f} ms; the host waiting in "
+            f"{', '.join(waited) or 'no runtime call'}")
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    """The length the intervals cover together, overlaps counted once."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
 
 
 def python_profile(step: Callable[[], None], device: torch.device) -> list[str]:
