@@ -357,8 +357,9 @@ def offload_case(world: int, **options) -> None:
     """offload="cpu" through the distributed step, with a recording copier in place of the GPU's side stream: the
     parameters and state are bitwise those of the same run without offload, the expert bank (whole experts on each
     rank) stages as one device does, and each pipeline chunk's state is fetched before the chunk ahead of it runs
-    Newton-Schulz and written back after its own update. Moved home, a DTensor's state stays a DTensor on its mesh
-    with only its local shard moved ("meta" standing in for the host of a GPU mesh)."""
+    Newton-Schulz and written back after its own update; a vector's AdamW shards stage after them, through the step's
+    one schedule. Moved home, a DTensor's state stays a DTensor on its mesh with only its local shard moved ("meta"
+    standing in for the host of a GPU mesh)."""
     mesh = init_device_mesh("cpu", (world,))
     state = {"momentum_buffer": distribute_tensor(torch.ones(8, 3), mesh, [Shard(0)])}
     submodule(optimizer, "offload").keep_at_home(state, torch.device("meta"))
@@ -369,12 +370,13 @@ def offload_case(world: int, **options) -> None:
     log: list[str] = []
     pipeline = submodule(optimizer, "distributed.pipeline")
     orthogonalize = pipeline.orthogonalize
+    shapes = [*SHAPES, (7,)]  # the vector to AdamW
     for offload in (None, "cpu"):
-        params = [distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for t in randn_tensors(SHAPES, seed=0)]
+        params = [distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for t in randn_tensors(shapes, seed=0)]
         opt = Muon(params, **(OPTIONS | options))
         opt.offload = offload  # set after construction: on CPU parameters the constructor only warns
         for step in range(STEPS):
-            for param, grad in zip(params, randn_tensors(SHAPES, seed=100 + step)):
+            for param, grad in zip(params, randn_tensors(shapes, seed=100 + step)):
                 param.grad = distribute_tensor(grad, mesh, [Shard(0)], src_data_rank=None)
             if offload is None:
                 opt.step()
@@ -389,16 +391,18 @@ def offload_case(world: int, **options) -> None:
         assert torch.equal(plain_param.to_local(), staged_param.to_local())
         for key, value in plain.state[plain_param].items():
             assert torch.equal(_local(staged.state[staged_param][key]), _local(value)), key
-    # The expert bank first, on the ranks that hold one of its 2 experts: one bucket, staged as on one device. Then the pipeline's four chunks A..D, each a
-    # generator of fetch | ready + momentum | orthogonalize | update + write_back, started one per round and
-    # advanced newest first: A fetch; B fetch, A ready; C fetch, B ready, A orth.; D fetch, C ready, B orth.,
-    # A write; then D ready, C orth., B write; D orth., C write; D write.
+    # The expert bank first, on the ranks that hold one of its 2 experts: one bucket, staged as on one device. Then
+    # the pipeline's four chunks A..D, each a generator of fetch | ready + momentum | orthogonalize | update +
+    # write_back, started one per round and advanced newest first: A fetch; B fetch, A ready; C fetch, B ready,
+    # A orth.; D fetch, C ready, B orth., A write; then D ready, C orth., B write; D orth., C write; D write. Last,
+    # the step's schedule: the vector's AdamW shard, one group.
     experts = next(shape[0] for shape in SHAPES if len(shape) == 3)
     in_place = ["fetch", "ready", "write_back", "finish"] if dist.get_rank() < experts else []
     pipeline_schedule = ["fetch", "fetch", "ready", "fetch", "ready", "orthogonalize", "fetch", "ready",
                          "orthogonalize", "write_back", "ready", "orthogonalize", "write_back", "orthogonalize",
                          "write_back", "write_back", "finish"]
-    assert log == (in_place + pipeline_schedule) * STEPS, log
+    adamw_schedule = ["fetch", "ready", "write_back", "finish"]
+    assert log == (in_place + pipeline_schedule + adamw_schedule) * STEPS, log
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
