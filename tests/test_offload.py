@@ -4,10 +4,10 @@ no-op, and on a GPU the real thing."""
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,11 +92,64 @@ def test_staged_groups_that_differ_only_in_lr_and_weight_decay_share_buckets_as_
     assert batches == [2, 1, 1] * 3
 
 
-def test_adamw_groups_fill_the_byte_budget_in_order_and_a_larger_parameter_goes_alone() -> None:
-    sizes = [3, 4, 1, 10, 2, 0, 5]  # float32 entries of each parameter's two moments: 8 bytes an entry
-    items = [SimpleNamespace(exp_avg=torch.zeros(size), exp_avg_sq=torch.zeros(size), size=size) for size in sizes]
-    groups = offload_module.adamw_groups(items, budget=8 * 8)
-    assert [[item.size for item in group] for group in groups] == [[3, 4, 1], [10], [2, 0, 5]]
+def _adamw_item(numel: int, rounded: bool = False, contiguous: bool = True):
+    functional = sys.modules[f"{optimizer.__name__}.functional"]
+    param = torch.randn(numel) if contiguous else torch.randn(2 * numel)[::2]
+    return functional.AdamWTensors(param, torch.randn(numel), torch.randn(numel), torch.rand(numel),
+                                   torch.tensor(3.0), torch.tensor(1), torch.tensor(0) if rounded else None)
+
+
+def test_adamw_groups_fill_the_byte_budget_in_order_and_cut_a_larger_parameter_into_pieces() -> None:
+    """Float32 moments take 8 bytes an entry; a budget of 4 KiB holds 512 entries. A larger parameter is cut into
+    pieces of 512 (a multiple of PIECE_ALIGNMENT), views of its tensors, the last holding its step and skip counts and
+    the others copies of them; one whose moments are stored rounded, or that is not contiguous, goes alone."""
+    assert offload_module.PIECE_ALIGNMENT == 256
+    sizes = [100, 300, 112, 1300, 40, 0, 600, 700, 10]
+    items = [_adamw_item(size, rounded=index == 6, contiguous=index != 7) for index, size in enumerate(sizes)]
+    groups = offload_module.adamw_groups(items, budget=4096)
+    assert [[(index, piece.param.numel()) for index, piece in group] for group in groups] == [
+        [(0, 100), (1, 300), (2, 112)], [(3, 512)], [(3, 512)], [(3, 276), (4, 40), (5, 0)], [(6, 600)], [(7, 700)],
+        [(8, 10)]]
+    pieces = [piece for group in groups for index, piece in group if index == 3]
+    whole = items[3]
+    for number, piece in enumerate(pieces):
+        for name in ("param", "grad", "exp_avg", "exp_avg_sq"):
+            assert getattr(piece, name).data_ptr() == getattr(whole, name).data_ptr() + number * 512 * 4, name
+        last = number == len(pieces) - 1
+        assert (piece.step is whole.step) == last and (piece.nonfinite_skips is whole.nonfinite_skips) == last
+        assert torch.equal(piece.step, whole.step) and torch.equal(piece.nonfinite_skips, whole.nonfinite_skips)
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
+def test_an_adamw_parameter_staged_in_pieces_steps_and_counts_as_one_staged_whole(monkeypatch, state_dtype) -> None:
+    """A vector of 1000 entries with a budget of 2 KiB of moments: four pieces of 256 entries (float32 moments), or
+    whole (bfloat16 moments are stored rounded). Three steps, the second's gradient holding a NaN: parameter and state
+    bitwise those of the same steps without offload, the step count moved twice and the skip count once."""
+    log: list[str] = []
+    monkeypatch.setattr(offload_module, "ADAMW_GROUP_BYTES", 2048)
+
+    def run(offload: str | None) -> tuple[torch.Tensor, Muon]:
+        param = torch.randn(1000, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        opt = Muon([param], lr=0.02, weight_decay=0.1, state_dtype=state_dtype)
+        opt.offload = offload  # set after construction: on CPU parameters the constructor only warns
+        generator = torch.Generator().manual_seed(1)
+        for step in range(3):
+            param.grad = torch.randn(1000, generator=generator)
+            if step == 1:
+                param.grad[700] = math.nan
+            opt.step()
+        return param, opt
+
+    with recorded_offload(log):
+        staged_param, staged = run("cpu")
+    plain_param, plain = run(None)
+    assert torch.equal(staged_param, plain_param)
+    for key, value in plain.state[plain_param].items():
+        assert torch.equal(staged.state[staged_param][key], value), key
+    assert staged.state[staged_param]["step"].item() == 2 and staged.nonfinite_skips() == 1
+    pieces = 4 if state_dtype is None else 1
+    schedule = ["fetch", "ready"] + ["fetch", "write_back", "ready"] * (pieces - 1) + ["write_back", "finish"]
+    assert log == schedule * 3
 
 
 @pytest.mark.parametrize("kind", ["muon", "adamw"])
@@ -153,8 +206,12 @@ def test_an_unknown_offload_target_is_refused() -> None:
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "AdamW tensors in pieces"])
 @pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, "int8"])
-def test_offloaded_state_lives_pinned_on_the_host_and_steps_as_on_the_gpu(state_dtype) -> None:
+def test_offloaded_state_lives_pinned_on_the_host_and_steps_as_on_the_gpu(monkeypatch, state_dtype, pieces) -> None:
+    if pieces:  # the (48,) vector in three pieces of 16 entries (64-byte views, as the one-launch kernel takes them)
+        monkeypatch.setattr(offload_module, "PIECE_ALIGNMENT", 16)
+        monkeypatch.setattr(offload_module, "ADAMW_GROUP_BYTES", 16 * 8)
     offloaded_params = [param.detach().cuda().requires_grad_() for param in _model_params(0)]
     resident_params = [param.detach().cuda().requires_grad_() for param in _model_params(0)]
     offloaded = _train(offloaded_params, 3, state_dtype=state_dtype, offload="cpu")

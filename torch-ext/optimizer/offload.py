@@ -25,14 +25,14 @@ import torch
 from torch import Tensor
 
 from .functional import (AdamWTensors, MuonTensors, Rates, adamw_update, buckets, by_device, muon_update,
-                         nonfinite_flags)
+                         nonfinite_flags, picked)
 from .state_precision import MOMENT_KEYS, scale_key
 
 OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
 # The state the option moves: the moments and their block scales, and NorMuon/AdaMuon's second moment. Counters stay
 # with the parameter (a few bytes, read by every step's bookkeeping).
 OFFLOADED_STATE = (*MOMENT_KEYS, *(scale_key(key) for key in MOMENT_KEYS), "update_sq")
-# Bytes of AdamW state fetched to the device per group at most, but for a parameter with more (see `adamw_groups`).
+# Bytes of AdamW state fetched to the device per group at most, but for a parameter that cannot be cut (`_pieces`).
 ADAMW_GROUP_BYTES = 32 << 20
 # The same tensors as the fields of functional's MuonTensors and AdamWTensors.
 OFFLOADED_FIELDS = ("momentum_buffer", "momentum_scales", "second_moment", "exp_avg", "exp_avg_sq", "exp_avg_scales",
@@ -210,29 +210,66 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
         found_inf = nonfinite_flags([item.grad for item in items])
     stages = StagedUpdates() if schedule is None else schedule
     rates = Rates(items, settings["lr"], settings["weight_decay"])
-    groups = adamw_groups(items, ADAMW_GROUP_BYTES)
-    for group, flags in zip(groups, found_inf.split([len(group) for group in groups])):
-        # Each group's lrs and weight decays, found by its items before their state is staged (in new items).
-        update = partial(adamw_update, found_inf=flags, **rates.settings_for(group, settings))
-        stages.add(items[0].param.device, group, update)
+    for group in adamw_groups(items, ADAMW_GROUP_BYTES):
+        parameters = [index for index, _ in group]
+        # Each group's lrs and weight decays, found by its parameters' items before their state is staged.
+        update = partial(adamw_update, found_inf=picked(found_inf, parameters),
+                         **rates.settings_for([items[index] for index in parameters], settings))
+        stages.add(items[0].param.device, [piece for _, piece in group], update)
     if schedule is None:
         stages.run()
 
 
-def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[AdamWTensors]]:
-    """Consecutive parameters whose offloaded state adds up to at most `budget` bytes per group, and a parameter
-    with more alone: the device holds two groups' state at once, and each group costs its copies' and its update's
-    launches (GPT-2 small's 97 AdamW tensors one at a time: ~2000 operator calls, 5.2x the on-GPU step on an H200)."""
-    groups: list[list[AdamWTensors]] = []
+def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[tuple[int, AdamWTensors]]]:
+    """Consecutive parameters whose offloaded state adds up to at most `budget` bytes per group, a parameter with
+    more cut into pieces that fit (`_pieces`), or where it cannot be cut, alone; each item (a parameter or a piece)
+    with its parameter's index in `items`. The device holds two groups' state at once, and each group costs its
+    copies' and its update's launches (GPT-2 small's 97 AdamW tensors one at a time: ~2000 operator calls, 5.2x the
+    on-GPU step on an H200)."""
+    groups: list[list[tuple[int, AdamWTensors]]] = []
     total = 0
-    for item in items:
-        size = sum(getattr(item, field).nbytes for field in _fields(item))
-        if not groups or total + size > budget:
-            groups.append([])
-            total = 0
-        groups[-1].append(item)
-        total += size
+    for index, item in enumerate(items):
+        for piece in _pieces(item, budget):
+            size = _state_bytes(piece)
+            if not groups or total + size > budget:
+                groups.append([])
+                total = 0
+            groups[-1].append((index, piece))
+            total += size
     return groups
+
+
+# A piece's first entry is a multiple of this many from its parameter's, so that it starts on a 16-byte boundary
+# where the parameter does, as the one-launch AdamW kernel needs.
+PIECE_ALIGNMENT = 256
+
+
+def _pieces(item: AdamWTensors, budget: int) -> list[AdamWTensors]:
+    """The parameter whole where its state fits in `budget` bytes or cannot be cut, else in pieces of consecutive
+    entries whose moments take at most `budget` bytes (PIECE_ALIGNMENT entries at least): AdamW's update is
+    elementwise. The pieces but the last hold copies of the step and skip counts, which their updates move and the
+    step drops, so that every piece reads the counts as they were before the step and they move once. Moments
+    stored rounded stay whole (each entry's random bits depend on its index in the whole tensor), as do tensors
+    that are not contiguous. GPT-2 small's token embedding: 309 MB of float32 moments, alone they made the step's
+    largest fetch and its write-back, with nothing to overlap them, and most of its peak GPU memory."""
+    tensors = (item.param, item.grad, item.exp_avg, item.exp_avg_sq)
+    if (_state_bytes(item) <= budget or item.rounding_count is not None
+            or not all(tensor.is_contiguous() for tensor in tensors)):
+        return [item]
+    entry_bytes = item.exp_avg.element_size() + item.exp_avg_sq.element_size()
+    entries = max(budget // entry_bytes // PIECE_ALIGNMENT, 1) * PIECE_ALIGNMENT
+    flat = [tensor.view(-1) for tensor in tensors]
+    numel = item.param.numel()
+    pieces = []
+    for start in range(0, numel, entries):
+        last = start + entries >= numel
+        counts = (item.step, item.nonfinite_skips) if last else (item.step.clone(), item.nonfinite_skips.clone())
+        pieces.append(AdamWTensors(*(tensor[start:start + entries] for tensor in flat), *counts))
+    return pieces
+
+
+def _state_bytes(item: AdamWTensors) -> int:
+    return sum(getattr(item, field).nbytes for field in _fields(item))
 
 
 def run_staged(stages: Sequence[Stage], copier: Copier) -> None:
