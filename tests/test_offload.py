@@ -5,6 +5,7 @@ no-op, and on a GPU the real thing."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -120,11 +121,21 @@ def test_adamw_groups_fill_the_byte_budget_in_order_and_cut_a_larger_parameter_i
         assert torch.equal(piece.step, whole.step) and torch.equal(piece.nonfinite_skips, whole.nonfinite_skips)
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "one Triton launch"])
 @pytest.mark.parametrize("state_dtype", [None, torch.bfloat16])
-def test_an_adamw_parameter_staged_in_pieces_steps_and_counts_as_one_staged_whole(monkeypatch, state_dtype) -> None:
+def test_an_adamw_parameter_staged_in_pieces_steps_and_counts_as_one_staged_whole(monkeypatch, state_dtype,
+                                                                                   kernels) -> None:
     """A vector of 1000 entries with a budget of 2 KiB of moments: four pieces of 256 entries (float32 moments), or
     whole (bfloat16 moments are stored rounded). Three steps, the second's gradient holding a NaN: parameter and state
-    bitwise those of the same steps without offload, the step count moved twice and the skip count once."""
+    bitwise those of the same steps without offload, the step count moved twice and the skip count once. On the
+    CPU's compiled op, and on the one-launch Triton kernels a GPU runs (here under the interpreter), whose tables
+    then address the pieces as views into their parameter's tensors."""
+    if kernels == "one Triton launch":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("CPU tensors in Triton kernels need the interpreter")
+        functional = sys.modules[f"{optimizer.__name__}.functional"]
+        monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+        monkeypatch.setattr(functional, "_one_launch_failed", set())  # filled only by a kernel that fails
     log: list[str] = []
     monkeypatch.setattr(offload_module, "ADAMW_GROUP_BYTES", 2048)
 
