@@ -893,7 +893,7 @@ class Muon(Optimizer):
         for group, tensors in zip(self.param_groups, state_tensors):
             self._init_group(group, tensors)
         gathered = [self._gather(group, tensors) for group, tensors in zip(self.param_groups, state_tensors)]
-        # Offloaded updates wait for the step's last one, so that both parts' state streams in one schedule.
+        # Offloaded updates run once both parts have issued theirs, so that all their state streams in one schedule.
         schedule = StagedUpdates() if self.offload is not None else None
         self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(self.param_groups, gathered)], schedule)
         adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(self.param_groups, gathered)
