@@ -357,8 +357,8 @@ def offload_case(world: int, **options) -> None:
     """offload="cpu" through the distributed step, with a recording copier in place of the GPU's side stream: the
     parameters and state are bitwise those of the same run without offload, the expert bank (whole experts on each
     rank) stages as one device does, and each pipeline chunk's state is fetched before the chunk ahead of it runs
-    Newton-Schulz and written back after its own update; a vector's AdamW shards stage after them, through the step's
-    one schedule. Moved home, a DTensor's state stays a DTensor on its mesh with only its local shard moved ("meta"
+    Newton-Schulz and written back after its own update; the expert bank and a vector's AdamW shards stage after
+    them, through the step's one schedule. Moved home, a DTensor's state stays a DTensor on its mesh with only its local shard moved ("meta"
     standing in for the host of a GPU mesh)."""
     mesh = init_device_mesh("cpu", (world,))
     state = {"momentum_buffer": distribute_tensor(torch.ones(8, 3), mesh, [Shard(0)])}
@@ -391,18 +391,18 @@ def offload_case(world: int, **options) -> None:
         assert torch.equal(plain_param.to_local(), staged_param.to_local())
         for key, value in plain.state[plain_param].items():
             assert torch.equal(_local(staged.state[staged_param][key]), _local(value)), key
-    # The expert bank first, on the ranks that hold one of its 2 experts: one bucket, staged as on one device. Then
-    # the pipeline's four chunks A..D, each a generator of fetch | ready + momentum | orthogonalize | update +
+    # The pipeline's four chunks A..D first, each a generator of fetch | ready + momentum | orthogonalize | update +
     # write_back, started one per round and advanced newest first: A fetch; B fetch, A ready; C fetch, B ready,
-    # A orth.; D fetch, C ready, B orth., A write; then D ready, C orth., B write; D orth., C write; D write. Last,
-    # the step's schedule: the vector's AdamW shard, one group.
-    experts = next(shape[0] for shape in SHAPES if len(shape) == 3)
-    in_place = ["fetch", "ready", "write_back", "finish"] if dist.get_rank() < experts else []
+    # A orth.; D fetch, C ready, B orth., A write; then D ready, C orth., B write; D orth., C write; D write. Then
+    # the step's one schedule, as on one device: the expert bank's bucket on the ranks that hold one of its 2
+    # experts, and the vector's AdamW shard.
     pipeline_schedule = ["fetch", "fetch", "ready", "fetch", "ready", "orthogonalize", "fetch", "ready",
                          "orthogonalize", "write_back", "ready", "orthogonalize", "write_back", "orthogonalize",
                          "write_back", "write_back", "finish"]
-    adamw_schedule = ["fetch", "ready", "write_back", "finish"]
-    assert log == (in_place + pipeline_schedule + adamw_schedule) * STEPS, log
+    experts = next(shape[0] for shape in SHAPES if len(shape) == 3)
+    step_schedule = (["fetch", "ready", "fetch", "write_back", "ready", "write_back", "finish"]
+                     if dist.get_rank() < experts else ["fetch", "ready", "write_back", "finish"])
+    assert log == (pipeline_schedule + step_schedule) * STEPS, log
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

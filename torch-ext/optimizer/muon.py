@@ -785,7 +785,7 @@ class Muon(Optimizer):
             (spread if is_spread(item.param, self.process_group) else local).append(item)
         if spread:
             self._pend(pending, distributed_muon_update, spread, process_group=self.process_group,
-                       comm_dtype=group["comm_dtype"], chunk_size=group["chunk_size"], **settings)
+                       comm_dtype=group["comm_dtype"], chunk_size=group["chunk_size"], schedule=schedule, **settings)
         if local:
             self._pend(pending, staged_muon_update, local, workspace=self._workspace, schedule=schedule, **settings)
 

@@ -32,7 +32,8 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
                             comm_dtype: torch.dtype, chunk_size: int | None, lr: LearningRate | Sequence[float],
                             weight_decay: float | Sequence[float], momentum: float, nesterov: bool,
                             orthogonalizer: Orthogonalizer, adjust_lr_fn: str | None, normalize_spatial: bool,
-                            normalization: str | None, normalization_beta: float) -> None:
+                            normalization: str | None, normalization_beta: float,
+                            schedule: offload.StagedUpdates | None = None) -> None:
     """Muon's update for parameters spread over ranks, with the single-device result (up to `comm_dtype`
     rounding). DTensors run over the mesh dims that shard them (see `comm.spread_mesh_dims`), plain tensors over
     `process_group`. Parameters whose every rank holds whole matrices (expert banks sharded on the expert dim)
@@ -40,7 +41,8 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
     the whole update or their holders would carry more than the mean work (`assignment.plan_spread`). Every rank
     of those groups must call this with the same parameters in the same order. `lr` and `weight_decay`: one for
     all, or numbers one per item (`muon_update`'s), so that param groups which differ only in them share the
-    plan, its chunks and their collectives."""
+    plan, its chunks and their collectives. With offloaded state, the matrices updated in place stage it in
+    `schedule` (the step's, run after its last update; None: at once), the pipeline's chunks in their own."""
     rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
     iteration = (len(orthogonalizer.coefficients), orthogonalizer.algorithm, orthogonalizer.dtype)
     rates = Rates(items, lr, weight_decay)
@@ -52,7 +54,7 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
         plan = plan_spread(tuple(item.view for item in group_items), tuple(layouts), world, *iteration,
                            group_items[0].param.device.type, chunk_size, keep_banks=not rms_rule)
         _update_in_place([(item, grad, flag) for item, grad, flag, local in
-                          zip(group_items, grads, flags, plan.in_place) if local], rates,
+                          zip(group_items, grads, flags, plan.in_place) if local], rates, schedule,
                          lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          orthogonalizer=orthogonalizer, adjust_lr_fn=adjust_lr_fn,
                          normalize_spatial=normalize_spatial, normalization=normalization,
@@ -118,9 +120,10 @@ def _agreed_local_grads(items: Sequence[MuonTensors], layouts: Sequence[ShardLay
     return grads, everywhere
 
 
-def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], rates: Rates, **settings) -> None:
+def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], rates: Rates,
+                     schedule: offload.StagedUpdates | None, **settings) -> None:
     """Single-device Muon on each rank's own whole matrices of (item, agreed local grad, agreed flag), each at its
-    rates."""
+    rates; with offloaded state, staged in `schedule` (None: at once), as one device's are."""
     local_items = []
     updated = []
     for item, grad, flag in items:
@@ -139,4 +142,4 @@ def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], rates:
                                        local_or_none(item.momentum_scales), positions))
         updated.append(item)
     if local_items:
-        offload.staged_muon_update(local_items, **rates.settings_for(updated, settings))
+        offload.staged_muon_update(local_items, schedule=schedule, **rates.settings_for(updated, settings))
