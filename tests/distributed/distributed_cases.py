@@ -355,11 +355,11 @@ def divided_plan_step_bytes_case(world: int, placements: Sequence[Placement], sh
 
 def offload_case(world: int, **options) -> None:
     """offload="cpu" through the distributed step, with a recording copier in place of the GPU's side stream: the
-    parameters and state are bitwise those of the same run without offload, the expert bank (whole experts on each
-    rank) stages as one device does, and each pipeline chunk's state is fetched before the chunk ahead of it runs
-    Newton-Schulz and written back after its own update; the expert bank and a vector's AdamW shards stage after
-    them, through the step's one schedule. Moved home, a DTensor's state stays a DTensor on its mesh with only its local shard moved ("meta"
-    standing in for the host of a GPU mesh)."""
+    parameters and state are bitwise those of the same run without offload, each pipeline chunk's state is fetched
+    before the chunk ahead of it runs Newton-Schulz and written back after its own update, and the expert bank
+    (whole experts on each rank) and a vector's AdamW shards stage after them, as one device's do, in the step's one
+    schedule. Moved home, a DTensor's state stays a DTensor on its mesh with only its
+    local shard moved ("meta" standing in for the host of a GPU mesh)."""
     mesh = init_device_mesh("cpu", (world,))
     state = {"momentum_buffer": distribute_tensor(torch.ones(8, 3), mesh, [Shard(0)])}
     submodule(optimizer, "offload").keep_at_home(state, torch.device("meta"))
