@@ -83,3 +83,16 @@ def test_plans_are_kept_a_bounded_number_at_a_time() -> None:
         launch_plans.launch_plan(items, _addressed, build)
     assert [build.calls for build in builds] == [2] * len(builds)
     assert len(launch_plans._plans) == launch_plans.MAX_PLANS
+
+
+def test_views_made_anew_at_the_same_addresses_take_their_plans_place() -> None:
+    """An offloaded AdamW parameter's pieces: new views of the same tensors at each step, the last step's still
+    alive. Their plans replace each other under the same addresses instead of filling the kept plans."""
+    whole = _items(1)[0]
+    before = set(launch_plans._plans)
+    steps = []
+    for _ in range(launch_plans.MAX_PLANS + 1):
+        steps.append([SimpleNamespace(param=whole.param[:2], grad=whole.grad[:2], exp_avg=whole.exp_avg[:2],
+                                      rounding_positions=None)])
+        launch_plans.launch_plan(steps[-1], _addressed, _Builds())
+    assert len(set(launch_plans._plans) - before) == 1

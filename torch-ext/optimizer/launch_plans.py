@@ -6,8 +6,10 @@ tensors: the same parameter and state tensor objects, the parameters at the same
 replaced), and gradients at the addresses the tables hold, still contiguous (a gradient is a new tensor at each step, but the caching allocator usually hands
 its block out again; the gradient setter keeps its shape and dtype those of the parameter).
 
-The plans are kept by the parameters' identities, a few at a time (one per call site: the AdamW tensors of each
-device and param group, each offload group), and hold weak references only: a plan never keeps a tensor alive.
+The plans are kept by the parameters' addresses, a few at a time (one per call site: the AdamW tensors of each
+device and param group, each offload group), and hold weak references only: a plan never keeps a tensor alive. By
+address, not identity: an offloaded parameter's pieces are views made anew at each step, whose plan then takes the
+place of the last step's instead of pushing the others out.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def launch_plan(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | 
     """The plan for these items (each with `param` and `grad`; `addressed(item)`: the other tensors its table row
     holds, or None for an absent one): the one kept from an earlier step if it still describes them, else
     `build(items)`'s groups and left indices, kept for the next steps."""
-    key = tuple(id(item.param) for item in items)
+    key = tuple(item.param.data_ptr() for item in items)
     plan = _plans.get(key)
     if plan is not None and plan.describes(items, addressed):
         _plans.move_to_end(key)
