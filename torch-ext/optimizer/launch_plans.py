@@ -57,7 +57,8 @@ def launch_plan(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | 
     """The plan for these items (each with `param` and `grad`; `addressed(item)`: the other tensors its table row
     holds, or None for an absent one): the one kept from an earlier step if it still describes them, else
     `build(items)`'s groups and left indices, kept for the next steps."""
-    key = tuple(item.param.data_ptr() for item in items)
+    # An empty tensor's address is 0 (a rank's empty shard): its identity keeps such call sites apart.
+    key = tuple(item.param.data_ptr() or id(item.param) for item in items)
     plan = _plans.get(key)
     if plan is not None and plan.describes(items, addressed):
         _plans.move_to_end(key)
