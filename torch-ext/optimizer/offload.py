@@ -34,9 +34,9 @@ OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
 OFFLOADED_STATE = (*MOMENT_KEYS, *(scale_key(key) for key in MOMENT_KEYS), "update_sq")
 # Bytes of AdamW state fetched to the device per group at most, but for a parameter that cannot be cut (`_pieces`).
 ADAMW_GROUP_BYTES = 32 << 20
-# The same tensors as the fields of functional's MuonTensors and AdamWTensors.
-OFFLOADED_FIELDS = ("momentum_buffer", "momentum_scales", "second_moment", "exp_avg", "exp_avg_sq", "exp_avg_scales",
-                    "exp_avg_sq_scales")
+# The same tensors as fields of functional's items, by the item's type.
+OFFLOADED_FIELDS = {MuonTensors: ("momentum_buffer", "momentum_scales", "second_moment"),
+                    AdamWTensors: ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales")}
 
 Item = TypeVar("Item")
 
@@ -229,8 +229,9 @@ def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[tuple[
     groups: list[list[tuple[int, AdamWTensors]]] = []
     total = 0
     for index, item in enumerate(items):
-        for piece in _pieces(item, budget):
-            size = _state_bytes(piece)
+        whole = _state_bytes(item)
+        for piece in [item] if whole <= budget else _pieces(item, budget):
+            size = whole if piece is item else _state_bytes(piece)
             if not groups or total + size > budget:
                 groups.append([])
                 total = 0
@@ -245,16 +246,15 @@ PIECE_ALIGNMENT = 256
 
 
 def _pieces(item: AdamWTensors, budget: int) -> list[AdamWTensors]:
-    """The parameter whole where its state fits in `budget` bytes or cannot be cut, else in pieces of consecutive
-    entries whose moments take at most `budget` bytes (PIECE_ALIGNMENT entries at least): AdamW's update is
+    """A parameter whose state takes more than `budget` bytes: whole where it cannot be cut, else in pieces of
+    consecutive entries whose moments take at most `budget` bytes (PIECE_ALIGNMENT entries at least): AdamW's update is
     elementwise. The pieces but the last hold copies of the step and skip counts, which their updates move and the
     step drops, so that every piece reads the counts as they were before the step and they move once. Moments
     stored rounded stay whole (each entry's random bits depend on its index in the whole tensor), as do tensors
     that are not contiguous. GPT-2 small's token embedding: 309 MB of float32 moments, alone they made the step's
     largest fetch and its write-back, with nothing to overlap them, and most of its peak GPU memory."""
     tensors = (item.param, item.grad, item.exp_avg, item.exp_avg_sq)
-    if (_state_bytes(item) <= budget or item.rounding_count is not None
-            or not all(tensor.is_contiguous() for tensor in tensors)):
+    if item.rounding_count is not None or not all(tensor.is_contiguous() for tensor in tensors):
         return [item]
     entry_bytes = item.exp_avg.element_size() + item.exp_avg_sq.element_size()
     entries = max(budget // entry_bytes // PIECE_ALIGNMENT, 1) * PIECE_ALIGNMENT
@@ -293,30 +293,27 @@ class Staging(Generic[Item]):
     """A group of items whose offloaded state is on its way to their device."""
 
     items: list[Item]
+    fields: list[list[str]]  # each item's fields that hold offloaded state
     homes: list[Tensor]  # the state's home tensors, in item-then-field order
     handle: Any
 
 
 def start_fetch(group: Sequence[Item], copier: Copier) -> Staging[Item]:
     """Starts copying the group's offloaded state (plain tensors: a DTensor's local shards) to its device."""
-    homes = [getattr(item, field) for item in group for field in _fields(item)]
-    return Staging(list(group), homes, copier.fetch(homes, group[0].param.device))
+    fields = [_fields(item) for item in group]
+    homes = [getattr(item, field) for item, names in zip(group, fields) for field in names]
+    return Staging(list(group), fields, homes, copier.fetch(homes, group[0].param.device))
 
 
 def staged(staging: Staging[Item], copier: Copier) -> tuple[list[Item], list[Tensor]]:
     """The group's items holding the device copies of their state, and those copies (for `Copier.write_back`)."""
     copies = copier.ready(staging.handle)
-    return _with_copies(staging.items, copies), copies
-
-
-def _fields(item: Any) -> list[str]:
-    return [field for field in OFFLOADED_FIELDS if getattr(item, field, None) is not None]
-
-
-def _with_copies(group: list[Item], copies: list[Tensor]) -> list[Item]:
     moved, position = [], 0
-    for item in group:
-        fields = _fields(item)
-        moved.append(replace(item, **dict(zip(fields, copies[position:position + len(fields)]))))
-        position += len(fields)
-    return moved
+    for item, names in zip(staging.items, staging.fields):
+        moved.append(replace(item, **dict(zip(names, copies[position:position + len(names)]))))
+        position += len(names)
+    return moved, copies
+
+
+def _fields(item: MuonTensors | AdamWTensors) -> list[str]:
+    return [field for field in OFFLOADED_FIELDS[type(item)] if getattr(item, field) is not None]
