@@ -461,8 +461,7 @@ def _without_one_launch(optimizer, step: Callable[[], object]) -> Callable[[], N
 def _offload_floor(offloaded: torch.optim.Optimizer, device: torch.device) -> str:
     """The time an offloaded step cannot go below here: its state held in pinned host memory crosses the bus to the
     GPU and back every step, at the rates pinned copies of 256 MiB reach on this machine."""
-    moved = sum(value.numel() * value.element_size() for state in offloaded.state.values() for value in state.values()
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu")
+    moved = state_bytes([offloaded], torch.device("cpu"))
     try:
         host, host_back = (torch.empty(2**28, dtype=torch.uint8, pin_memory=True) for _ in range(2))
         on_device, leaving = (torch.empty_like(host, device=device) for _ in range(2))
