@@ -281,10 +281,11 @@ def bench_buckets(optimizer, device: torch.device, ns_dtype: torch.dtype, repeat
 
 def bench_lone_matrices(optimizer, device: torch.device, ns_dtype: torch.dtype, repeats: int) -> list[Row]:
     """Five Newton-Schulz steps on single small matrices in the device's default dtype (16-bit here) against
-    ns_dtype=None, which iterates those below 2^23 multiply-adds a product in float32 (`matrix_ns_dtype`), side by
-    side: the MNIST MLP's 10x256 classifier and shapes on both sides of that line."""
+    ns_dtype=None, which iterates those below `small_matrix_macs()` multiply-adds a product in float32 (2^23 on CPUs
+    with AMX, 2^22 with AVX512-BF16: `matrix_ns_dtype`), side by side: the MNIST MLP's 10x256 classifier and shapes
+    on both sides of each line."""
     rows = []
-    for shape in [(10, 256), (128, 512), (192, 192), (224, 224), (256, 256)]:
+    for shape in [(10, 256), (128, 128), (128, 512), (192, 192), (224, 224), (256, 256)]:
         G = torch.randn(shape, device=device)
         chosen = optimizer.matrix_ns_dtype(ns_dtype, device, shape)
         default, per_shape = paired_medians_ms([lambda: optimizer.zeropower(G, dtype=ns_dtype),

@@ -153,16 +153,31 @@ def test_the_step_runs_newton_schulz_in_the_chosen_dtype(monkeypatch: pytest.Mon
     (torch.bfloat16, "cpu", (10, 256), torch.float32),  # the MNIST MLP's classifier
     (torch.bfloat16, "cpu", (1, 10, 256), torch.float32),  # an optimizer's bucket of one
     (torch.bfloat16, "cpu", (2, 10, 256), torch.bfloat16),  # a stack: one batched call for both
-    (torch.bfloat16, "cpu", (203, 203), torch.float32),  # 3 * 203^3 multiply-adds a step: under 3 * 2^23
-    (torch.bfloat16, "cpu", (204, 204), torch.bfloat16),  # over
     (torch.bfloat16, "cpu", (256, 784), torch.bfloat16),
     (torch.float32, "cpu", (10, 256), torch.float32),
     (torch.bfloat16, "cuda", (10, 256), torch.bfloat16),
     (torch.float16, "cuda", (10, 256), torch.float16),
 ])
-def test_a_lone_small_matrix_iterates_in_float32_on_a_cpu(default: torch.dtype, device: str, shape: tuple[int, ...],
+@pytest.mark.parametrize("units", [("amx_bf16", "avx512_bf16"), ("avx512_bf16",)])
+def test_a_lone_small_matrix_iterates_in_float32_on_a_cpu(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...],
+                                                          default: torch.dtype, device: str, shape: tuple[int, ...],
                                                           expected: torch.dtype) -> None:
+    fake_cpu(monkeypatch, *units)
     assert precision.matrix_ns_dtype(default, torch.device(device), shape) == expected
+
+
+@pytest.mark.parametrize("units, below, above", [
+    (("amx_bf16", "avx512_bf16"), 203, 204),  # 3 * 203^3 multiply-adds a step: under 3 * 2^23; 204: over
+    (("avx512_bf16",), 161, 162),  # under and over 3 * 2^22: AMD's bf16 products stay ahead down to smaller sizes
+])
+def test_where_float32_takes_over_depends_on_the_cpus_16_bit_unit(monkeypatch: pytest.MonkeyPatch,
+                                                                  units: tuple[str, ...], below: int,
+                                                                  above: int) -> None:
+    fake_cpu(monkeypatch, *units)
+    cpu = torch.device("cpu")
+    assert precision.matrix_ns_dtype(torch.bfloat16, cpu, (below, below)) == torch.float32
+    assert precision.matrix_ns_dtype(torch.bfloat16, cpu, (above, above)) == torch.bfloat16
+    assert f"2^{precision.small_matrix_macs().bit_length() - 1} " in precision.ns_dtype_choice(cpu).reason
 
 
 @pytest.mark.parametrize("dtype, units, warns", [

@@ -449,7 +449,8 @@ class Muon(Optimizer):
             "spectral" (sqrt(out / in); timm's "rms_to_rms"), "rsqrt_in" (1 / sqrt(in)) or None (no scaling).
         ns_dtype: Newton-Schulz compute dtype; None is what the device multiplies fastest (`default_ns_dtype`):
             bfloat16 on GPUs and on CPUs with fast bf16 products (AMX; AVX512-BF16 on AMD cores), float32 on other
-            CPUs, and on those, for a lone matrix under 2^23 multiply-adds a product (`matrix_ns_dtype`).
+            CPUs, and on those, for a lone matrix under 2^23 (AMX) or 2^22 (AVX512-BF16) multiply-adds a product
+            (`matrix_ns_dtype`).
         ns_algorithm: "standard" (three products of the matrix's size per step), "gram" (the same polynomial
             applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices in float32) or "auto" (per
             shape, "gram" where it takes fewer FLOPs, from an aspect ratio of about 1.5, by 3M or more, and the

@@ -107,10 +107,10 @@ def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
         units = cpu_matrix_units()
         if "amx_bf16" in units:
             return NsDtypeChoice(torch.bfloat16, "the CPU has AMX bf16 tiles (bf16 products ~6x fp32's speed)"
-                                 + _SMALL_MATRICES)
+                                 + _small_matrices("amx_bf16"))
         if "avx512_bf16" in units and cpu_vendor() == "AuthenticAMD":
             return NsDtypeChoice(torch.bfloat16, "the CPU has AVX512-BF16 on AMD cores (bf16 products 2.7x-4.4x "
-                                                 "fp32's speed)" + _SMALL_MATRICES)
+                                                 "fp32's speed)" + _small_matrices("avx512_bf16"))
         if "avx512_bf16" in units:
             return NsDtypeChoice(torch.float32, "the CPU has AVX512-BF16 without AMX, on cores other than AMD's: "
                                                 "Intel's issue bf16 dot products at their fp32 rate (bf16 products "
@@ -127,24 +127,40 @@ def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
 
 
 # Multiply-adds per product (their mean over a Newton-Schulz step) below which a lone matrix iterates faster in float32
-# than in a CPU's 16-bit default: oneDNN, which runs torch's 16-bit CPU products, costs ~30 us a call however small the
-# matrices, where MKL's float32 products of small ones take 2-5 us. zeropower, 5 steps, bf16 against float32 on a
-# 2-core Xeon with AMX (us): 10x256 527 / 133; 128x512 (6.3M a product) 1579 / 1397; 192x192 (7.1M) 1491 / 1277;
-# 224x224 (11.2M) 1687 / 1847; 256x256 (16.8M) 1983 / 2442. A stack of several keeps the default: a batched product
-# pays that cost once for all of its matrices (48 of 32x32: float32 1.6x slower, 12 of 32x128 1.1x faster).
-SMALL_MATRIX_MACS = 1 << 23
-_SMALL_MATRICES = (f"; a lone matrix of fewer than 2^{SMALL_MATRIX_MACS.bit_length() - 1} multiply-adds a product runs "
-                   "in float32, faster there (`matrix_ns_dtype`)")
+# than in a CPU's 16-bit default, by the unit that default runs on: oneDNN, which runs torch's 16-bit CPU products,
+# costs ~20-30 us a call however small the matrices, where MKL's float32 products of small ones take 2-5 us; the
+# faster the CPU's float32 products against its bf16 ones, the larger the matrices float32 wins on. zeropower, 5 steps,
+# bf16 against float32 (us, paired):
+#   - 2-core Xeon with AMX (fp32 ~0.37 TFLOP/s): 10x256 527 / 133; 128x512 (6.3M a product) 1579 / 1397; 192x192
+#     (7.1M) 1491 / 1277; 224x224 (11.2M) 1687 / 1847; 256x256 (16.8M) 1983 / 2442;
+#   - 2-core AMD EPYC with AVX512-BF16 (fp32 ~0.17 TFLOP/s, 2026-11-26): 10x256 278 / 127; 64x512 (1.5M) 613 / 527;
+#     128x128 (2.1M) 649 / 571; 128x256 (3.5M) 816 / 831; 160x160 (4.1M) 927 / 954; 128x384 (4.9M) 941 / 1092;
+#     128x512 1078 / 1371; 192x192 1125 / 1406.
+# A stack of several keeps the default: a batched product pays that cost once for all of its matrices (48 of 32x32:
+# float32 1.6x slower, 12 of 32x128 1.1x faster, on the Xeon).
+SMALL_MATRIX_MACS: dict[str, int] = {"amx_bf16": 1 << 23, "avx512_bf16": 1 << 22}
+
+
+def _small_matrices(unit: str) -> str:
+    """The reason's clause on lone small matrices for a CPU whose 16-bit products run on `unit`."""
+    return (f"; a lone matrix of fewer than 2^{SMALL_MATRIX_MACS[unit].bit_length() - 1} multiply-adds a product runs "
+            "in float32, faster there (`matrix_ns_dtype`)")
+
+
+@torch.compiler.assume_constant_result
+def small_matrix_macs() -> int:
+    """SMALL_MATRIX_MACS for this CPU: AMX's where it has AMX tiles, AVX512-BF16's elsewhere."""
+    return SMALL_MATRIX_MACS["amx_bf16" if "amx_bf16" in cpu_matrix_units() else "avx512_bf16"]
 
 
 def matrix_ns_dtype(default: torch.dtype, device: torch.device, shape: Sequence[int]) -> torch.dtype:
     """The dtype `ns_dtype=None` iterates a stack of `shape` ((m, n) or (B, m, n)) in on `device`, where it resolves
-    to `default` (`default_ns_dtype`): float32 for a lone matrix below SMALL_MATRIX_MACS on a CPU whose default is
-    16-bit, `default` everywhere else. Shapes only: the same answer every time."""
+    to `default` (`default_ns_dtype`): float32 for a lone matrix below `small_matrix_macs()` on a CPU whose default is
+    16-bit, `default` everywhere else. Shapes and the CPU's units only: the same answer every time."""
     if device.type != "cpu" or default.itemsize > 2 or (len(shape) == 3 and shape[0] != 1):
         return default
     short, long = min(shape[-2:]), max(shape[-2:])  # not sorted(): the compiler's tracer cannot sort sizes
-    return torch.float32 if 2 * short * short * long + short ** 3 < 3 * SMALL_MATRIX_MACS else default
+    return torch.float32 if 2 * short * short * long + short ** 3 < 3 * small_matrix_macs() else default
 
 
 @torch.compiler.assume_constant_result
