@@ -174,6 +174,10 @@ def _precision(optimizer):
     return importlib.import_module(f"{optimizer.__name__}.precision")
 
 
+def _native(optimizer):
+    return importlib.import_module(f"{optimizer.__name__}.native")
+
+
 @contextlib.contextmanager
 def torch_muon_computing_in(dtype: torch.dtype) -> Iterator[None]:
     """torch.optim.Muon's Newton-Schulz (`_zeropower_via_newtonschulz`, whose one cast is `grad.bfloat16()`) run in
@@ -574,7 +578,8 @@ def _adamw_part_rows(optimizer, device: torch.device, case: str, params: list[to
     """The AdamW-routed parameters alone against fused AdamW: the step (our non-finite guard included), then
     gradient clipping and the step, where our clip's read of each gradient also serves the step's guard. Clipping
     at half the gradients' norm, after doubling them (on both sides alike), scales them at every call; at twice
-    their norm it only measures (torch multiplies them by 1 all the same)."""
+    their norm it only measures (torch multiplies them by 1 all the same). On a CPU also the floor of a guard that
+    reads every gradient before any update: fused AdamW after the compiled check's one read of each gradient."""
     fused = torch.optim.AdamW(params, lr=0.02, betas=(0.9, 0.95), fused=True)
     ours = optimizer.Muon([dict(params=params, use_muon=False)], lr=0.02)
     grads = [param.grad for param in params]
@@ -598,9 +603,13 @@ def _adamw_part_rows(optimizer, device: torch.device, case: str, params: list[to
     for max_norm, grow in clip_cases.values():
         fns += [clipped(torch_clip, fused.step, max_norm, grow),
                 clipped(ours.clip_grad_norm_, ours.step, max_norm, grow)]
-    baseline, eager, *clip_ms = paired_medians_ms(fns, device, 3 * repeats)
+    floor = [lambda: (_native(optimizer).finite_flags(grads), fused.step())] if device.type == "cpu" else []
+    baseline, eager, *clip_ms = paired_medians_ms(fns + floor, device, 3 * repeats)
     rows = [Row("AdamW part", case, "torch.optim.AdamW(fused=True)", baseline, 0.0, baseline),
             Row("AdamW part", case, "optimizer.Muon (non-finite guard included)", eager, 0.0, baseline)]
+    if floor:
+        rows.append(Row("AdamW part", case, "the guard's floor: the compiled check's read of every gradient, then "
+                        "fused AdamW", clip_ms.pop(), 0.0, baseline))
     for index, label in enumerate(clip_cases):
         theirs, mine = clip_ms[2 * index:2 * index + 2]
         rows += [Row("AdamW part", f"{case}, {label}", "torch clip_grad_norm_ + fused AdamW", theirs, 0.0, theirs),
