@@ -296,6 +296,8 @@ def _moment_form(param: Tensor, state_dtype: torch.dtype | str | None) -> tuple[
     """The dtype a parameter's moments are stored in, and whether as 8-bit codes with block scales. "int8" applies to
     tensors of 2 or more dims whose last dim each rank holds whole; vectors, scalars and shards of a split last dim
     keep bfloat16 (a vector's bytes are few, and blocks cut by a shard boundary would not survive a reshard)."""
+    if state_dtype is None:  # asked of every parameter every step: the default answered first
+        return param.dtype, False
     if is_quantized(state_dtype) and (param.dim() < 2 or splits_last_dim(param)):
         state_dtype = torch.bfloat16
     return stored_dtype(param.dtype, state_dtype), is_quantized(state_dtype)

@@ -42,7 +42,8 @@ def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist
     of those groups must call this with the same parameters in the same order. `lr` and `weight_decay`: one for
     all, or numbers one per item (`muon_update`'s), so that param groups which differ only in them share the
     plan, its chunks and their collectives. With offloaded state, the matrices updated in place stage it in
-    `schedule` (the step's, run after its last update; None: at once), the pipeline's chunks in their own."""
+    `schedule` (the step's, run after its last update; None where the optimizer does not offload), the
+    pipeline's chunks in their own."""
     rms_rule = uses_rms_rule(normalization, adjust_lr_fn)
     iteration = (len(orthogonalizer.coefficients), orthogonalizer.algorithm, orthogonalizer.dtype)
     rates = Rates(items, lr, weight_decay)
@@ -123,7 +124,7 @@ def _agreed_local_grads(items: Sequence[MuonTensors], layouts: Sequence[ShardLay
 def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], rates: Rates,
                      schedule: offload.StagedUpdates | None, **settings) -> None:
     """Single-device Muon on each rank's own whole matrices of (item, agreed local grad, agreed flag), each at its
-    rates; with offloaded state, staged in `schedule` (None: at once), as one device's are."""
+    rates; with offloaded state, staged in `schedule` as one device's are."""
     local_items = []
     updated = []
     for item, grad, flag in items:
