@@ -113,6 +113,34 @@ def test_given_flags_are_obeyed_and_the_gradients_not_read() -> None:
     assert [float(count) for count in state["steps"]] == [1.0, 0.0, 1.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_tensors_and_another_gradient_dtype_step_as_contiguous_copies_would(dtype: torch.dtype) -> None:
+    # A column and a transposed matrix (the op's loop walks memory as if it were contiguous), their moments strided
+    # alike, and float32 gradients (one transposed) for bfloat16 parameters: each must take exactly the step its
+    # contiguous copies take, and nothing beside the views may change.
+    generator = torch.Generator().manual_seed(3)
+    columns = [torch.rand(6, 50, generator=generator).to(dtype) for _ in range(3)]  # param, exp_avg, exp_avg_sq
+    matrices = [torch.rand(40, 30, generator=generator).to(dtype) for _ in range(3)]
+    views = [[column[:, 7] for column in columns], [matrix.t() for matrix in matrices]]  # per parameter
+    twins = [[view.clone(memory_format=torch.contiguous_format) for view in each] for each in views]
+    grads = [torch.randn(6, generator=generator), torch.randn(40, 30, generator=generator).t()]
+    before = [column.clone() for column in columns]
+
+    def step(tensors: list[list[torch.Tensor]], gradients: list[torch.Tensor]) -> torch.Tensor:
+        params, exp_avgs, exp_avg_sqs = zip(*tensors)
+        return native.adamw_checked_(list(params), gradients, list(exp_avgs), list(exp_avg_sqs),
+                                     [torch.zeros(()) for _ in tensors], None, betas=(0.9, 0.95), **SETTINGS)
+
+    assert step(views, grads).tolist() == step(twins, [g.to(dtype).contiguous() for g in grads]).tolist() == [0, 0]
+    for each, each_twins in zip(views, twins):
+        for view, twin in zip(each, each_twins):
+            assert torch.equal(view, twin)
+    assert not torch.equal(columns[0][:, 7], before[0][:, 7])  # stepped
+    beside = torch.ones(6, 50, dtype=torch.bool)
+    beside[:, 7] = False
+    assert all(torch.equal(column[beside], old[beside]) for column, old in zip(columns, before))
+
+
 def _bad_calls() -> list[tuple[str, dict, str]]:
     def arguments(**changes) -> dict:
         call = dict(params=[torch.zeros(4, 8)], grads=[torch.zeros(4, 8)], exp_avgs=[torch.zeros(4, 8)],
@@ -126,9 +154,10 @@ def _bad_calls() -> list[tuple[str, dict, str]]:
         ("float64", arguments(params=[torch.zeros(4, 8, dtype=torch.float64)]), r"params\[0\] has dtype Double"),
         ("float16", arguments(params=[torch.zeros(4, 8, dtype=torch.float16)]),
          r"Half \(expected float32 or bfloat16\)"),
-        ("grad shape", arguments(grads=[torch.zeros(4, 7)]), r"grads\[0\] must be contiguous, of shape"),
+        ("grad shape", arguments(grads=[torch.zeros(4, 7)]), r"grads\[0\] must be a floating tensor of shape"),
+        ("integer grad", arguments(grads=[torch.zeros(4, 8, dtype=torch.int32)]), r"grads\[0\] must be a floating"),
         ("moment dtype", arguments(exp_avgs=[torch.zeros(4, 8, dtype=torch.bfloat16)]), r"exp_avgs\[0\] must be"),
-        ("strided", arguments(exp_avg_sqs=[torch.zeros(8, 4).t()]), r"exp_avg_sqs\[0\] must be contiguous"),
+        ("moment shape", arguments(exp_avg_sqs=[torch.zeros(8, 4)]), r"exp_avg_sqs\[0\] must be of shape"),
         ("step dtype", arguments(steps=[torch.tensor(1)]), r"steps\[0\] must be one float32"),
         ("flags shape", arguments(found_inf=torch.zeros(2)), "found_inf must be a contiguous float32 tensor of shape"),
         ("beta1 of 1", arguments(beta1=1.0), r"beta1 must be in \[0, 1\)"),

@@ -473,14 +473,20 @@ void check_adamw_checked_args(at::TensorList params, at::TensorList grads, at::T
     const at::Tensor& param = params[i];
     TORCH_CHECK_VALUE(param.scalar_type() == at::kFloat || param.scalar_type() == at::kBFloat16, op, ": params[", i,
                       "] has dtype ", param.scalar_type(), " (expected float32 or bfloat16)");
-    for (const auto& [name, tensor] : {std::pair{"params", param}, std::pair{"grads", grads[i]},
-                                       std::pair{"exp_avgs", exp_avgs[i]}, std::pair{"exp_avg_sqs", exp_avg_sqs[i]}}) {
-      TORCH_CHECK_VALUE(tensor.is_contiguous() && tensor.sizes() == param.sizes() &&
-                            tensor.scalar_type() == param.scalar_type() && tensor.device() == found_inf.device(),
-                        op, ": ", name, "[", i, "] must be contiguous, of shape ", param.sizes(), ", dtype ",
-                        param.scalar_type(), " and on ", found_inf.device(), ", got ", tensor.scalar_type(),
-                        " of shape ", tensor.sizes(), " on ", tensor.device());
+    for (const auto& [name, tensor] : {std::pair{"params", param}, std::pair{"exp_avgs", exp_avgs[i]},
+                                       std::pair{"exp_avg_sqs", exp_avg_sqs[i]}}) {
+      TORCH_CHECK_VALUE(tensor.sizes() == param.sizes() && tensor.scalar_type() == param.scalar_type() &&
+                            tensor.device() == found_inf.device(),
+                        op, ": ", name, "[", i, "] must be of shape ", param.sizes(), ", dtype ", param.scalar_type(),
+                        " and on ", found_inf.device(), ", got ", tensor.scalar_type(), " of shape ", tensor.sizes(),
+                        " on ", tensor.device());
     }
+    const at::Tensor& grad = grads[i];
+    TORCH_CHECK_VALUE(grad.sizes() == param.sizes() && at::isFloatingType(grad.scalar_type()) &&
+                          grad.device() == found_inf.device(),
+                      op, ": grads[", i, "] must be a floating tensor of shape ", param.sizes(), " on ",
+                      found_inf.device(), ", got ", grad.scalar_type(), " of shape ", grad.sizes(), " on ",
+                      grad.device());
     TORCH_CHECK_VALUE(steps[i].scalar_type() == at::kFloat && steps[i].numel() == 1 &&
                           steps[i].device() == found_inf.device(),
                       op, ": steps[", i, "] must be one float32 on ", found_inf.device(), ", got ",

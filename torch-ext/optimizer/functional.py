@@ -620,9 +620,10 @@ def _adamw_cpu_(items: Sequence[AdamWTensors], found_inf: Tensor | None, rates: 
         taken = [items[i] for i in checked]
         known = None if found_inf is None else found_inf[checked]
         lrs, weight_decays = rates.uniform(taken) or rates.of(taken)
-        flags = _on_contiguous_(taken, lambda params, grads, exp_avgs, exp_avg_sqs: native.adamw_checked_(
-            params, grads, exp_avgs, exp_avg_sqs, [item.step for item in taken], known, lr=lrs, betas=betas,
-            eps=eps, weight_decay=weight_decays))
+        flags = native.adamw_checked_([item.param for item in taken], [item.grad for item in taken],
+                                      [item.exp_avg for item in taken], [item.exp_avg_sq for item in taken],
+                                      [item.step for item in taken], known, lr=lrs, betas=betas, eps=eps,
+                                      weight_decay=weight_decays)
         _count_skips(taken, flags.tolist())
     if rest:
         others = [items[i] for i in rest]

@@ -156,8 +156,10 @@ def adamw_checked_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: 
                    exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], found_inf: Tensor | None, *,
                    lr: float | Sequence[float], betas: tuple[float, float], eps: float,
                    weight_decay: float | Sequence[float]) -> Tensor:
-    """torch's fused AdamW step (decoupled weight decay) on parameters whose moments are stored as they are, each
-    parameter's tensors contiguous, of one shape and one dtype of ADAMW_CHECKED_DTYPES, its step count one float32.
+    """torch's fused AdamW step (decoupled weight decay) on parameters whose moments are stored as they are: each
+    parameter's tensors of one shape, its moments of its dtype (one of ADAMW_CHECKED_DTYPES), its gradient of any
+    floating dtype (converted), its step count one float32; strided tensors step as their contiguous copies, written
+    back.
     found_inf: (N,) float32 flags, 1.0 where a parameter is skipped; None: each gradient is checked for NaN and Inf in
     the same call, just before its parameter's update. Skipped parameters are left as they were; the others' step counts
     move by one before their update. `lr` and `weight_decay`: one for all, or one per parameter. Returns the flags
