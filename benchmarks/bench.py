@@ -515,18 +515,22 @@ def _running(steppers: dict[str, Callable[[], object]]) -> tuple[dict[str, Calla
     return running, failures
 
 
+def _narrowed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A GPT-2-small shape at 1/GPT2_STRUCTURE_WIDTH of its width (every dim divided, at least 1)."""
+    return tuple(max(1, size // GPT2_STRUCTURE_WIDTH) for size in shape)
+
+
 def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:
     """The step where each call's own overhead weighs as much as its products, ours against torch.optim.Muon + fused
     AdamW, side by side over 20x the rounds (a step takes milliseconds): a small model, the MNIST-sized MLP
     784-256-256-10 (three matrices, each a bucket of one, and three biases), and GPT-2 small's structure at
-    1/GPT2_STRUCTURE_WIDTH of its width."""
-    def narrow(shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(max(1, size // GPT2_STRUCTURE_WIDTH) for size in shape)
-
+    1/GPT2_STRUCTURE_WIDTH of its width; then that structure's 97 AdamW tensors alone against fused AdamW: the
+    AdamW part's host time, what a GPU's AdamW part of the full model waits on."""
+    narrow_vectors = [_narrowed((size,))[0] for size in GPT2_SMALL_VECTORS]
     cases = {"MNIST MLP 784-256-256-10, 3 matrices + 3 biases": (MNIST_MLP, MNIST_MLP_VECTORS, 1, []),
              f"GPT-2 small's 48 matrices + 97 AdamW tensors, every dim / {GPT2_STRUCTURE_WIDTH} (host time)": (
-                 [narrow(shape) for shape in GPT2_SMALL_BLOCK], [narrow((size,))[0] for size in GPT2_SMALL_VECTORS],
-                 GPT2_BLOCKS, [narrow(GPT2_EMBEDDING)])}
+                 [_narrowed(shape) for shape in GPT2_SMALL_BLOCK], narrow_vectors, GPT2_BLOCKS,
+                 [_narrowed(GPT2_EMBEDDING)])}
     rows = []
     for case, (matrix_shapes, vector_sizes, copies, embeddings) in cases.items():
         matrices, vectors = _step_params(device, matrix_shapes, vector_sizes, copies, embeddings)
@@ -537,7 +541,13 @@ def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype,
         rows += [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused "
                      "AdamW", baseline, flop, baseline),
                  Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline)]
-    return rows
+    _, vectors = _step_params(device, [], narrow_vectors, GPT2_BLOCKS, [_narrowed(GPT2_EMBEDDING)])
+    fused = torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)
+    ours = optimizer.Muon([dict(params=vectors, use_muon=False)], lr=0.02)
+    baseline, eager = paired_medians_ms([fused.step, ours.step], device, 20 * repeats)
+    case = f"GPT-2 small's {len(vectors)} AdamW tensors alone, every dim / {GPT2_STRUCTURE_WIDTH} (host time)"
+    return rows + [Row("AdamW part", case, "torch.optim.AdamW(fused=True)", baseline, 0.0, baseline),
+                   Row("AdamW part", case, "optimizer.Muon (non-finite guard included)", eager, 0.0, baseline)]
 
 
 def _layer_group_rows(optimizer, device: torch.device, torch_dtype: torch.dtype, repeats: int) -> list[Row]:
@@ -546,11 +556,8 @@ def _layer_group_rows(optimizer, device: torch.device, torch_dtype: torch.dtype,
     ours against torch.optim.Muon + fused AdamW on the same groups, and ours on the same tensors in two groups: the
     Muon groups share buckets (they differ only in lr), so what is left between the two is each group's own Python
     (its options checked, its state gathered) and the AdamW part's calls per group."""
-    def narrow(shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(max(1, size // GPT2_STRUCTURE_WIDTH) for size in shape)
-
-    matrices, vectors = _step_params(device, [narrow(shape) for shape in GPT2_SMALL_BLOCK],
-                                     [narrow((size,))[0] for size in GPT2_SMALL_VECTORS], GPT2_BLOCKS, [])
+    matrices, vectors = _step_params(device, [_narrowed(shape) for shape in GPT2_SMALL_BLOCK],
+                                     [_narrowed((size,))[0] for size in GPT2_SMALL_VECTORS], GPT2_BLOCKS, [])
     per_block = (len(GPT2_SMALL_BLOCK), len(GPT2_SMALL_VECTORS))
     blocks = [(matrices[b * per_block[0]:(b + 1) * per_block[0]], vectors[b * per_block[1]:(b + 1) * per_block[1]],
                0.02 * 0.9 ** (GPT2_BLOCKS - 1 - b)) for b in range(GPT2_BLOCKS)]
@@ -566,7 +573,7 @@ def _layer_group_rows(optimizer, device: torch.device, torch_dtype: torch.dtype,
                                                   device, 20 * repeats)
     case = (f"GPT-2 small's structure, every dim / {GPT2_STRUCTURE_WIDTH}, a param group per block (layer-wise lr "
             "decay)")
-    flop = GPT2_BLOCKS * sum(newton_schulz_flop(*narrow(shape), 5) for shape in GPT2_SMALL_BLOCK)
+    flop = GPT2_BLOCKS * sum(newton_schulz_flop(*_narrowed(shape), 5) for shape in GPT2_SMALL_BLOCK)
     return [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused AdamW, "
                 "the same groups", baseline, flop, baseline),
             Row("Muon.step", case, "optimizer.Muon (defaults), the same groups", grouped, flop, baseline),
