@@ -185,9 +185,7 @@ class StagedUpdates:
 def staged_muon_update(items: list[MuonTensors], *, schedule: StagedUpdates | None = None, **settings: Any) -> None:
     """`muon_update`, or where the optimizer offloads state (`schedule`: its step's schedule) and these items' state is
     offloaded, one bucket at a time added to `schedule`, its state to be streamed to the parameters' GPU a bucket
-    ahead. Without offload nothing is asked of the items: GPT-2 small's 97 AdamW tensors at 1/96 width took 1.28x
-    fused AdamW's step time while each step asked where their state lived, 1.19x since (with `_moment_form`
-    answering the default first; 2-core AMD EPYC, three runs of each alternated)."""
+    ahead. Without offload nothing is asked of the items (see `staged_adamw_update`)."""
     if schedule is None or not any_offloaded(items):
         muon_update(items, **settings)
         return
@@ -202,7 +200,9 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
                         schedule: StagedUpdates | None = None, **settings: Any) -> None:
     """`adamw_update` of one device's items (found_inf None: their gradients not checked yet), or where the optimizer
     offloads state and theirs is offloaded, a group of parameters at a time (`adamw_groups`) added to `schedule`, as
-    `staged_muon_update` adds buckets."""
+    `staged_muon_update` adds buckets. Without offload nothing is asked of the items: GPT-2 small's 97 AdamW tensors
+    at 1/96 width took 1.28x fused AdamW's step time while each step asked where their state lived, 1.19x since (with
+    `_moment_form` answering the default first; 2-core AMD EPYC, three runs of each alternated)."""
     if schedule is None or not any_offloaded(items):
         adamw_update(items, found_inf, **settings)
         return
