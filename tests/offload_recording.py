@@ -13,24 +13,26 @@ offload_module = submodule(optimizer, "offload")
 
 
 class RecordingCopier:
-    """The CUDA copier's interface, synchronous: fetches clone (the "device" copies), write-backs copy into the homes.
-    An update that read or wrote the homes instead of the copies would leave the homes unstepped."""
+    """The CUDA copier's interface and copies, synchronous and on the CPU: fetches make the "device" copies (new
+    tensors), write-backs copy into the homes, both as the CUDA copier makes them (packed homes included), so an
+    update that read or wrote the homes instead of the copies would leave the homes unstepped."""
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
 
-    def fetch(self, homes: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    def fetch(self, homes: list[torch.Tensor], device: torch.device, repack: bool = False) -> list[torch.Tensor]:
         self.log.append("fetch")
-        return [home.clone() for home in homes]
+        if repack:
+            offload_module.repack_homes(homes)
+        return offload_module.copies_on(torch.device("cpu"), homes, repack)
 
     def ready(self, handle: list[torch.Tensor]) -> list[torch.Tensor]:
         self.log.append("ready")
         return handle
 
-    def write_back(self, copies: list[torch.Tensor], homes: list[torch.Tensor]) -> None:
+    def write_back(self, copies: list[torch.Tensor], homes: list[torch.Tensor], packed: bool = False) -> None:
         self.log.append("write_back")
-        for copy, home in zip(copies, homes):
-            home.copy_(copy)
+        offload_module.copy_all(homes, copies, packed)
 
     def finish(self) -> None:
         self.log.append("finish")

@@ -70,6 +70,12 @@ def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead_in_one_schedul
     schedule = ["fetch", "ready"] + ["fetch", "update", "write_back", "ready"] * (groups - 1) + [
         "update", "write_back", "finish"]
     assert log == schedule * 3
+    # Each group's homes packed into one allocation (`repack_homes`), but AdamW pieces' (views, left where they are).
+    muon_storages = 4 if muon_chunks else 3
+    adamw_storages = 1 if adamw_group_bytes is None else 2 if state_dtype == "int8" else 4  # rounded moments: whole
+    assert len({value.untyped_storage().data_ptr() for state in staged.state.values()
+                for key, value in state.items() if key in offload_module.OFFLOADED_STATE}) == (
+        muon_storages + adamw_storages)
 
 
 def test_staged_groups_that_differ_only_in_lr_and_weight_decay_share_buckets_as_unstaged_ones_do(monkeypatch) -> None:
@@ -197,6 +203,49 @@ def test_a_groups_device_copies_are_aligned_disjoint_views_of_one_allocation() -
     for copy, value in zip(copies, range(1, len(copies) + 1)):
         copy.fill_(value)
     assert [copy.unique().tolist() for copy in copies if copy.numel()] == [[1.0], [2], [3.0], [5.0]]
+
+
+def test_a_groups_homes_are_packed_in_place_and_cross_in_one_copy_each_way(monkeypatch) -> None:
+    """`repack_homes` moves a group's state tensors into one allocation laid out as their device copies are, each
+    tensor the same object with the same values; then a fetch and a write-back are one copy each (the per-tensor
+    call refused here), a second packing changes nothing, and a group that changes is packed anew, leaving the
+    tensor it dropped as it was. Homes not packed (AdamW pieces) are copied one by one."""
+    homes = [torch.randn(5, 3), torch.arange(7, dtype=torch.int8), torch.tensor(2.5), torch.zeros(0, 4),
+             torch.randn(300).to(torch.bfloat16)]
+    dropped = torch.randn(9)
+    dropped_value = dropped.clone()
+    offload_module.repack_homes([*homes[:2], dropped, *homes[2:]])
+    objects, values = list(map(id, homes)), [home.clone() for home in homes]
+    offload_module.repack_homes(homes)  # `dropped` has no gradient this step
+    assert list(map(id, homes)) == objects and all(map(torch.equal, homes, values))
+    assert len({home.untyped_storage().data_ptr() for home in homes if home.nbytes}) == 1
+    assert dropped.untyped_storage().data_ptr() != homes[0].untyped_storage().data_ptr()
+    assert torch.equal(dropped, dropped_value)
+    packed_at = homes[0].data_ptr()
+    offload_module.repack_homes(homes)
+    assert homes[0].data_ptr() == packed_at
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a packed group was copied tensor by tensor")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", refused)
+    copies = offload_module.copies_on(torch.device("cpu"), homes, packed=True)
+    assert all(map(torch.equal, copies, values))
+    for copy in copies:
+        copy.add_(1)
+    offload_module.copy_all(homes, copies, packed=True)
+    assert all(torch.equal(home, value + 1) for home, value in zip(homes, values))
+    monkeypatch.undo()
+    # Views laid out as a packed group's homes would be (400-byte tensors 512 bytes apart, in 1024 bytes), but with
+    # other entries between them: not packed, so copied tensor by tensor, and the entries between stay as they were.
+    whole = torch.randn(256)
+    before = whole.clone()
+    pieces = [whole[:100], whole[128:228]]
+    assert offload_module._span(pieces) is not None
+    copies = offload_module.copies_on(torch.device("cpu"), pieces)
+    offload_module.copy_all(pieces, [copy + 1 for copy in copies])
+    assert torch.equal(whole[:100], before[:100] + 1) and torch.equal(whole[128:228], before[128:228] + 1)
+    assert torch.equal(whole[100:128], before[100:128]) and torch.equal(whole[228:], before[228:])
 
 
 def test_offload_on_cpu_parameters_is_a_noop_that_says_so_once() -> None:

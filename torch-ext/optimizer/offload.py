@@ -78,20 +78,21 @@ def _first_moment(item: MuonTensors | AdamWTensors) -> Tensor:
 
 
 class Copier(Protocol):
-    def fetch(self, homes: list[Tensor], device: torch.device) -> Any:
-        """Starts copying `homes` to `device`; returns a handle for `ready`."""
+    def fetch(self, homes: list[Tensor], device: torch.device, repack: bool = False) -> Any:
+        """Starts copying `homes` to `device` (with `repack`, after `repack_homes`); returns a handle for `ready`."""
 
     def ready(self, handle: Any) -> list[Tensor]:
         """The device copies of a fetch, safe to use on the compute stream."""
 
-    def write_back(self, copies: list[Tensor], homes: list[Tensor]) -> None:
-        """Starts copying the updated `copies` back into `homes` once the compute stream is done with them."""
+    def write_back(self, copies: list[Tensor], homes: list[Tensor], packed: bool = False) -> None:
+        """Starts copying the updated `copies` back into `homes` (`packed`: fetched with `repack`) once the compute
+        stream is done with them."""
 
     def finish(self) -> None:
         """Returns once every write-back is in host memory."""
 
 
-# Where each of a group's device copies starts in their one allocation: the caching allocator's own alignment, so the
+# Where each of a group's copies starts in their one allocation: the caching allocator's own alignment, so the
 # one-launch kernels, which need 16 bytes, take them as they take tensors of their own.
 _COPY_ALIGNMENT = 512
 
@@ -107,17 +108,19 @@ class CudaCopier:
     the compute stream by events. One side stream ran the two directions one after the other: GPT-2 small's offloaded
     step on an H100 (2026-11-26) spent 12.1 ms fetching and 12.5 ms writing back, in a 30.7 ms step. A group's
     device copies are views of one allocation, filled and emptied by one call each (a `to` call per tensor took 7 ms
-    of that step's host time for its 242 state tensors)."""
+    of that step's host time for its 242 state tensors), and by one copy each where its homes are packed too
+    (`repack_homes`: a copy per tensor was 629 `cudaMemcpyAsync` calls of an int8-state step, host-bound at 29.7 ms
+    against 12.8 ms of device work, H100, 2026-11-27)."""
 
     def __init__(self, device: torch.device) -> None:
         self.fetch_stream = torch.cuda.Stream(device)
         self.write_stream = torch.cuda.Stream(device)
 
-    def fetch(self, homes: list[Tensor], device: torch.device) -> _Fetched:
+    def fetch(self, homes: list[Tensor], device: torch.device, repack: bool = False) -> _Fetched:
+        if repack:
+            repack_homes(homes)
         with torch.cuda.stream(self.fetch_stream):
-            copies = _packed_like(homes, device)
-            _copy_all(copies, homes)
-            return _Fetched(copies, self.fetch_stream.record_event())
+            return _Fetched(copies_on(device, homes, repack), self.fetch_stream.record_event())
 
     def ready(self, handle: _Fetched) -> list[Tensor]:
         compute = torch.cuda.current_stream(self.fetch_stream.device)
@@ -125,31 +128,80 @@ class CudaCopier:
         _record_stream(handle.copies, compute)  # allocated on the fetch stream, used on the compute stream
         return handle.copies
 
-    def write_back(self, copies: list[Tensor], homes: list[Tensor]) -> None:
+    def write_back(self, copies: list[Tensor], homes: list[Tensor], packed: bool = False) -> None:
         self.write_stream.wait_event(torch.cuda.current_stream(self.write_stream.device).record_event())
         _record_stream(copies, self.write_stream)
         with torch.cuda.stream(self.write_stream):
-            _copy_all(homes, copies)
+            copy_all(homes, copies, packed)
 
     def finish(self) -> None:
         self.write_stream.synchronize()  # the host may read the state as soon as step() returns
 
 
-def _packed_like(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """Uninitialized contiguous tensors of `tensors`' shapes and dtypes on `device`, views of one allocation."""
+def _layout(tensors: Sequence[Tensor]) -> tuple[list[int], int]:
+    """Where each of `tensors` starts in one allocation that holds them all in order, in bytes, and its size."""
     starts, total = [], 0
     for tensor in tensors:
         starts.append(total)
         total += -(-tensor.nbytes // _COPY_ALIGNMENT) * _COPY_ALIGNMENT
-    memory = torch.empty(total, dtype=torch.uint8, device=device)
+    return starts, total
+
+
+def _packed_like(tensors: Sequence[Tensor], device: torch.device, pin: bool = False) -> list[Tensor]:
+    """Uninitialized contiguous tensors of `tensors`' shapes and dtypes on `device`, views of one allocation laid out
+    by `_layout`."""
+    starts, total = _layout(tensors)
+    memory = torch.empty(total, dtype=torch.uint8, device=device, pin_memory=pin)
     return [memory[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             for start, tensor in zip(starts, tensors)]
 
 
-def _copy_all(destinations: list[Tensor], sources: list[Tensor]) -> None:
-    """Each source into its destination, asynchronously where one side is pinned host memory (one call; the foreach
-    op refuses empty lists)."""
-    if sources:
+def _span(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The one allocation that holds `tensors` as `_layout` places them and nothing else (a group's device copies, or
+    homes `repack_homes` packed), as one uint8 tensor; None where they lie otherwise or hold no bytes. Nothing else:
+    a copy of the whole span also copies the padding between the tensors."""
+    starts, total = _layout(tensors)
+    sized = [(tensor, start) for tensor, start in zip(tensors, starts) if tensor.nbytes]
+    if not sized:
+        return None
+    storage = sized[0][0].untyped_storage()
+    if storage.nbytes() != total or any(
+            tensor.untyped_storage().data_ptr() != storage.data_ptr() or not tensor.is_contiguous()
+            or tensor.storage_offset() * tensor.element_size() != start for tensor, start in sized):
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=sized[0][0].device).set_(storage, 0, (total,))
+
+
+@torch.no_grad()  # `set_` under autograd would make each tensor a view
+def repack_homes(homes: Sequence[Tensor]) -> None:
+    """Moves a group's homes, the optimizer's own state tensors (no views of them), into one pinned allocation laid
+    out by `_layout`, each tensor keeping its identity (`set_`), so that the group crosses the host link in one copy
+    each way (`copy_all`). Nothing where they lie so already (in one allocation, as `_span` says: for the optimizer's
+    own state tensors one this function made, or a checkpoint's copy of one). A group that changes (a parameter
+    without a gradient this step) is packed anew, its old allocation freed once no state tensor is left in it."""
+    if _span(homes) is not None:
+        return
+    for home, packed in zip(homes, _packed_like(homes, torch.device("cpu"), pin=torch.cuda.is_available())):
+        home.set_(packed.copy_(home).untyped_storage(), packed.storage_offset(), packed.shape, packed.stride())
+
+
+def copies_on(device: torch.device, homes: list[Tensor], packed: bool = False) -> list[Tensor]:
+    """Copies of `homes` on `device`, views of one allocation (`_packed_like`), filled by `copy_all`."""
+    copies = _packed_like(homes, device)
+    copy_all(copies, homes, packed)
+    return copies
+
+
+def copy_all(destinations: list[Tensor], sources: list[Tensor], packed: bool = False) -> None:
+    """Each source into its destination, asynchronously where one side is pinned host memory. With `packed` (one
+    side a group's device copies, the other homes `repack_homes` packed, so no other tensor lies between theirs) one
+    copy where both lie in one allocation as `_layout` places them; else one call for all (the foreach op refuses
+    empty lists). Only `packed` may copy the padding between the tensors: other homes, such as a parameter's
+    pieces, may have other tensors' entries there."""
+    spans = (_span(destinations), _span(sources)) if packed else (None, None)
+    if spans[0] is not None and spans[1] is not None:
+        spans[0].copy_(spans[1], non_blocking=True)
+    elif sources:
         torch._foreach_copy_(destinations, sources, non_blocking=True)
 
 
@@ -159,7 +211,11 @@ def _record_stream(copies: Sequence[Tensor], stream: torch.cuda.Stream) -> None:
         copy.record_stream(stream)
 
 
-Stage = tuple[list[Item], Callable[[list[Item]], None]]  # a group of items and their update
+@dataclass(frozen=True)
+class Stage(Generic[Item]):
+    items: list[Item]
+    update: Callable[[list[Item]], None]
+    repack: bool  # whether the items hold the optimizer's own state tensors, so that `repack_homes` may move them
 
 
 class StagedUpdates:
@@ -171,8 +227,9 @@ class StagedUpdates:
     def __init__(self) -> None:
         self._stages: dict[torch.device, list[Stage]] = {}
 
-    def add(self, device: torch.device, group: list[Item], update: Callable[[list[Item]], None]) -> None:
-        self._stages.setdefault(device, []).append((group, update))
+    def add(self, device: torch.device, group: list[Item], update: Callable[[list[Item]], None],
+            repack: bool) -> None:
+        self._stages.setdefault(device, []).append(Stage(group, update, repack))
 
     def run(self) -> None:
         """Each device's stages in the order added, the next one's state fetched while one updates; returns once
@@ -193,7 +250,7 @@ def staged_muon_update(items: list[MuonTensors], *, schedule: StagedUpdates | No
     for device, device_items in by_device(items).items():
         for bucket in buckets(device_items):
             # Each bucket's lrs and weight decays, found by its items before their state is staged (in new items).
-            schedule.add(device, bucket, partial(muon_update, **rates.settings_for(bucket, settings)))
+            schedule.add(device, bucket, partial(muon_update, **rates.settings_for(bucket, settings)), repack=True)
 
 
 def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
@@ -214,7 +271,9 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
         # Each group's lrs and weight decays, found by its parameters' items before their state is staged.
         update = partial(adamw_update, found_inf=picked(found_inf, parameters),
                          **rates.settings_for([items[index] for index in parameters], settings))
-        schedule.add(items[0].param.device, [piece for _, piece in group], update)
+        pieces = [piece for _, piece in group]
+        whole = all(piece is items[index] for index, piece in group)  # a piece's state tensors are views
+        schedule.add(items[0].param.device, pieces, update, repack=whole)
 
 
 def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[tuple[int, AdamWTensors]]]:
@@ -274,14 +333,14 @@ def run_staged(stages: Sequence[Stage], copier: Copier) -> None:
     the next group's state is fetched before this group's update is issued, and this group's is written back after."""
     if not stages:
         return
-    pending = start_fetch(stages[0][0], copier)
-    for index, (_, update) in enumerate(stages):
+    pending = start_fetch(stages[0].items, copier, stages[0].repack)
+    for index, stage in enumerate(stages):
         group, copies = staged(pending, copier)
-        homes = pending.homes
+        homes, packed = pending.homes, stage.repack
         if index + 1 < len(stages):
-            pending = start_fetch(stages[index + 1][0], copier)
-        update(group)
-        copier.write_back(copies, homes)
+            pending = start_fetch(stages[index + 1].items, copier, stages[index + 1].repack)
+        stage.update(group)
+        copier.write_back(copies, homes, packed)
     copier.finish()
 
 
@@ -295,11 +354,12 @@ class Staging(Generic[Item]):
     handle: Any
 
 
-def start_fetch(group: Sequence[Item], copier: Copier) -> Staging[Item]:
-    """Starts copying the group's offloaded state (plain tensors: a DTensor's local shards) to its device."""
+def start_fetch(group: Sequence[Item], copier: Copier, repack: bool = False) -> Staging[Item]:
+    """Starts copying the group's offloaded state (plain tensors: a DTensor's local shards) to its device; with
+    `repack` (the items hold the optimizer's own state tensors), after packing it where it lives (`repack_homes`)."""
     fields = [_fields(item) for item in group]
     homes = [getattr(item, field) for item, names in zip(group, fields) for field in names]
-    return Staging(list(group), fields, homes, copier.fetch(homes, group[0].param.device))
+    return Staging(list(group), fields, homes, copier.fetch(homes, group[0].param.device, repack))
 
 
 def staged(staging: Staging[Item], copier: Copier) -> tuple[list[Item], list[Tensor]]:
