@@ -241,7 +241,7 @@ def test_a_groups_homes_are_packed_in_place_and_cross_in_one_copy_each_way(monke
     whole = torch.randn(256)
     before = whole.clone()
     pieces = [whole[:100], whole[128:228]]
-    assert offload_module._span(pieces) is not None
+    assert offload_module._is_packed(pieces)
     copies = offload_module.copies_on(torch.device("cpu"), pieces)
     offload_module.copy_all(pieces, [copy + 1 for copy in copies])
     assert torch.equal(whole[:100], before[:100] + 1) and torch.equal(whole[128:228], before[128:228] + 1)

@@ -156,30 +156,37 @@ def _packed_like(tensors: Sequence[Tensor], device: torch.device, pin: bool = Fa
             for start, tensor in zip(starts, tensors)]
 
 
-def _span(tensors: Sequence[Tensor]) -> Tensor | None:
-    """The one allocation that holds `tensors` as `_layout` places them and nothing else (a group's device copies, or
-    homes `repack_homes` packed), as one uint8 tensor; None where they lie otherwise or hold no bytes. Nothing else:
-    a copy of the whole span also copies the padding between the tensors."""
+def _is_packed(tensors: Sequence[Tensor]) -> bool:
+    """Whether `tensors` fill one allocation as `_layout` places them, with nothing else in it (homes
+    `repack_homes` packed); tensors that hold no bytes are not."""
     starts, total = _layout(tensors)
     sized = [(tensor, start) for tensor, start in zip(tensors, starts) if tensor.nbytes]
     if not sized:
-        return None
+        return False
     storage = sized[0][0].untyped_storage()
-    if storage.nbytes() != total or any(
-            tensor.untyped_storage().data_ptr() != storage.data_ptr() or not tensor.is_contiguous()
-            or tensor.storage_offset() * tensor.element_size() != start for tensor, start in sized):
+    return storage.nbytes() == total and all(
+        tensor.untyped_storage().data_ptr() == storage.data_ptr() and tensor.is_contiguous()
+        and tensor.storage_offset() * tensor.element_size() == start for tensor, start in sized)
+
+
+def _allocation(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The whole allocation under `tensors` (each in the same one), as one uint8 tensor; None where they hold no
+    bytes."""
+    sized = next((tensor for tensor in tensors if tensor.nbytes), None)
+    if sized is None:
         return None
-    return torch.empty(0, dtype=torch.uint8, device=sized[0][0].device).set_(storage, 0, (total,))
+    storage = sized.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=sized.device).set_(storage, 0, (storage.nbytes(),))
 
 
 @torch.no_grad()  # `set_` under autograd would make each tensor a view
 def repack_homes(homes: Sequence[Tensor]) -> None:
     """Moves a group's homes, the optimizer's own state tensors (no views of them), into one pinned allocation laid
     out by `_layout`, each tensor keeping its identity (`set_`), so that the group crosses the host link in one copy
-    each way (`copy_all`). Nothing where they lie so already (in one allocation, as `_span` says: for the optimizer's
-    own state tensors one this function made, or a checkpoint's copy of one). A group that changes (a parameter
+    each way (`copy_all`). Nothing where they lie so already (`_is_packed`: for the optimizer's own state tensors in
+    an allocation this function made, or a checkpoint's copy of one). A group that changes (a parameter
     without a gradient this step) is packed anew, its old allocation freed once no state tensor is left in it."""
-    if _span(homes) is not None:
+    if _is_packed(homes):
         return
     for home, packed in zip(homes, _packed_like(homes, torch.device("cpu"), pin=torch.cuda.is_available())):
         home.set_(packed.copy_(home).untyped_storage(), packed.storage_offset(), packed.shape, packed.stride())
@@ -194,13 +201,14 @@ def copies_on(device: torch.device, homes: list[Tensor], packed: bool = False) -
 
 def copy_all(destinations: list[Tensor], sources: list[Tensor], packed: bool = False) -> None:
     """Each source into its destination, asynchronously where one side is pinned host memory. With `packed` (one
-    side a group's device copies, the other homes `repack_homes` packed, so no other tensor lies between theirs) one
-    copy where both lie in one allocation as `_layout` places them; else one call for all (the foreach op refuses
-    empty lists). Only `packed` may copy the padding between the tensors: other homes, such as a parameter's
+    side a group's device copies, the other the homes `repack_homes` packed for this fetch: both laid out by
+    `_layout` in allocations of their own) one copy of the whole allocation, padding included; else one call for all
+    (the foreach op refuses empty lists). Only `packed` may copy the padding: other homes, such as a parameter's
     pieces, may have other tensors' entries there."""
-    spans = (_span(destinations), _span(sources)) if packed else (None, None)
-    if spans[0] is not None and spans[1] is not None:
-        spans[0].copy_(spans[1], non_blocking=True)
+    if packed:
+        destination, source = _allocation(destinations), _allocation(sources)
+        if source is not None:
+            destination.copy_(source, non_blocking=True)
     elif sources:
         torch._foreach_copy_(destinations, sources, non_blocking=True)
 
