@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from types import SimpleNamespace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -14,12 +14,19 @@ from kernel_under_test import optimizer, submodule
 launch_plans = submodule(optimizer, "launch_plans")
 
 
-def _items(count: int = 3) -> list[SimpleNamespace]:
-    return [SimpleNamespace(param=torch.zeros(4, 4), grad=torch.ones(4, 4), exp_avg=torch.zeros(4, 4),
-                            rounding_positions=None) for _ in range(count)]
+@dataclass
+class _Item:
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    rounding_positions: torch.Tensor | None = None
 
 
-def _addressed(item: SimpleNamespace) -> tuple[torch.Tensor | None, ...]:
+def _items(count: int = 3) -> list[_Item]:
+    return [_Item(torch.zeros(4, 4), torch.ones(4, 4), torch.zeros(4, 4)) for _ in range(count)]
+
+
+def _addressed(item: _Item) -> tuple[torch.Tensor | None, ...]:
     return item.param, item.exp_avg, item.rounding_positions
 
 
@@ -29,7 +36,7 @@ class _Builds:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, items: list[SimpleNamespace]) -> tuple[list[object], list[int]]:
+    def __call__(self, items: list[_Item]) -> tuple[list[object], list[int]]:
         self.calls += 1
         return [object()], []
 
@@ -37,9 +44,9 @@ class _Builds:
 def test_a_plan_is_built_once_for_tensors_that_stay() -> None:
     items, build = _items(), _Builds()
     first = launch_plans.launch_plan(items, _addressed, build)
-    # New item objects around the same tensors, as each step gathers them.
-    again = launch_plans.launch_plan([SimpleNamespace(**vars(item)) for item in items], _addressed, build)
-    assert again is first and build.calls == 1
+    # New item objects around the same tensors (as a step that gathers its state anew makes them), and the same ones.
+    again = launch_plans.launch_plan([replace(item) for item in items], _addressed, build)
+    assert again is first and launch_plans.launch_plan(items, _addressed, build) is first and build.calls == 1
 
 
 @pytest.mark.parametrize("change", [
@@ -55,12 +62,12 @@ def test_a_plan_is_rebuilt_when_a_tensor_it_addresses_changes(change: str) -> No
         address = item.grad.data_ptr()
         item.grad = item.grad.t()  # the same address, no longer contiguous
         assert item.grad.data_ptr() == address
-    elif change == "moment replaced":
-        item.exp_avg = item.exp_avg.clone()
+    elif change == "moment replaced":  # in a new item, as the optimizer makes one whenever state changes
+        items[1] = replace(item, exp_avg=item.exp_avg.clone())
     elif change == "parameter data replaced":
         item.param.data = item.param.data.clone()
     else:
-        item.rounding_positions = torch.arange(16)
+        items[1] = replace(item, rounding_positions=torch.arange(16))
     launch_plans.launch_plan(items, _addressed, build)
     assert build.calls == 2
 
@@ -92,7 +99,6 @@ def test_views_made_anew_at_the_same_addresses_take_their_plans_place() -> None:
     before = set(launch_plans._plans)
     steps = []
     for _ in range(launch_plans.MAX_PLANS + 1):
-        steps.append([SimpleNamespace(param=whole.param[:2], grad=whole.grad[:2], exp_avg=whole.exp_avg[:2],
-                                      rounding_positions=None)])
+        steps.append([_Item(whole.param[:2], whole.grad[:2], whole.exp_avg[:2])])
         launch_plans.launch_plan(steps[-1], _addressed, _Builds())
     assert len(set(launch_plans._plans) - before) == 1

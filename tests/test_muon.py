@@ -143,6 +143,70 @@ def test_matches_torch_adamw_for_non_matrices(adamw_path: str) -> None:
         assert float(opt.state[p]["step"]) == 5
 
 
+def _change_between_steps(change: str, adamw: torch.optim.Optimizer, vector: torch.Tensor, muon: torch.optim.Optimizer,
+                          matrix: torch.Tensor, extra: torch.Tensor) -> None:
+    """The same change made to our optimizer (both roles) and to torch's AdamW and Muon, whose steps read their state
+    afresh each time."""
+    if change == "a moment replaced":
+        adamw.state[vector]["exp_avg"] = torch.full_like(vector, 0.5)
+        muon.state[matrix]["momentum_buffer"] = torch.full_like(matrix, 0.5)
+    elif change == "a state dict replaced":
+        adamw.state[vector] = {}
+    elif change == "a state cleared":
+        muon.state[matrix].clear()
+    elif change == "a state dropped":
+        del adamw.state[vector]
+    elif change == "a parameter added to the group's list":
+        adamw.param_groups[0]["params"].append(extra)
+    elif change == "a gradient dropped":
+        vector.grad = None
+
+
+@pytest.mark.parametrize("change", ["a moment replaced", "a state dict replaced", "a state cleared", "a state dropped",
+                                    "a gradient dropped", "a parameter added to the group's list"])
+def test_a_change_between_steps_is_seen_as_torchs_optimizers_see_it(adamw_path: str, change: str) -> None:
+    """A step takes the items it gathered at the last one while nothing they came from changed; whatever did, the
+    step reads as torch's optimizers do, which read their state afresh each time."""
+    ours = [torch.randn(7), torch.randn(6, 4), torch.randn(3), torch.ones(5)]
+    theirs = [p.clone() for p in ours]
+    settings = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.1, eps=1e-7)
+    opt = Muon(ours[:3], ns_coefficients="original", ns_dtype=torch.bfloat16, adjust_lr_fn="original",
+               adamw_lr=3e-3, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, **settings)
+    ref_muon = torch.optim.Muon([theirs[1]], ns_coefficients=(3.4445, -4.7750, 2.0315), adjust_lr_fn="original",
+                                **settings)
+    ref_adamw = torch.optim.AdamW([theirs[0], theirs[2]], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(4):
+        seeded_grads(ours, step)
+        seeded_grads(theirs, step)
+        if step == 2:
+            _change_between_steps(change, opt, ours[0], opt, ours[1], ours[3])
+            _change_between_steps(change, ref_adamw, theirs[0], ref_muon, theirs[1], theirs[3])
+        opt.step()
+        ref_muon.step()
+        ref_adamw.step()
+        for index, (p, q) in enumerate(zip(ours, theirs)):
+            # The matrix: both run bf16 Newton-Schulz, as in test_matches_torch_muon.
+            tolerance = 0.01 * 0.02 * math.sqrt(6 / 4) / 2 * (step + 1) if index == 1 else 1e-6
+            torch.testing.assert_close(p, q, rtol=0, atol=tolerance)
+
+
+def test_a_step_after_an_unchanged_one_prepares_no_state_and_keeps_no_gradient_alive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    params = [torch.randn(7), torch.randn(6, 4)]
+    opt = Muon(params, lr=0.02)
+    prepared = []
+    prepare = Muon._prepared_state
+    monkeypatch.setattr(Muon, "_prepared_state", lambda self, *args: prepared.append(args) or prepare(self, *args))
+    for step in range(3):
+        seeded_grads(params, step)
+        opt.step()
+        assert len(prepared) == 2  # both parameters at the first step only
+    grads = [weakref.ref(param.grad) for param in params]
+    opt.zero_grad()
+    gc.collect()
+    assert all(grad() is None for grad in grads)
+
+
 @pytest.mark.parametrize("state_dtype", [None, torch.bfloat16], ids=["moments as they are", "bf16 moments"])
 def test_adamw_groups_that_differ_only_in_lr_and_weight_decay_share_one_update_as_torch_adamw_steps_them(
         adamw_path: str, state_dtype: torch.dtype | None, monkeypatch: pytest.MonkeyPatch) -> None:

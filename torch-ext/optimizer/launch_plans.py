@@ -3,8 +3,11 @@ launch groups, with their address tables. Deciding that anew checks four tensors
 addresses (GPT-2 small's 97 AdamW tensors: ~40% of the part's host time on a 2-core Xeon, where the part's host time
 is what keeps it at 0.49x of fused AdamW's speed on an H100). A plan is reused while it still describes the step's
 tensors: the same parameter and state tensor objects, the parameters at the same addresses (`param.data` may be
-replaced), and gradients at the addresses the tables hold, still contiguous (a gradient is a new tensor at each step, but the caching allocator usually hands
-its block out again; the gradient setter keeps its shape and dtype those of the parameter).
+replaced), and gradients at the addresses the tables hold, still contiguous (a gradient is a new tensor at each step,
+but the caching allocator usually hands its block out again; the gradient setter keeps its shape and dtype those of
+the parameter). An item passed again, the very object the plan was built from, is taken to hold the same tensors but
+its gradient, whose check it then skips (~1 µs per item): a caller that replaces a state tensor makes a new item, as
+the optimizer's held items are made anew whenever a parameter's state changes (`muon._HeldItems`).
 
 The plans are kept by the parameters' addresses, a few at a time (one per call site: the AdamW tensors of each
 device and param group, each offload group), and hold weak references only: a plan never keeps a tensor alive. By
@@ -14,6 +17,7 @@ place of the last step's instead of pushing the others out.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -34,18 +38,19 @@ class LaunchPlan:
 
     groups: list[Any]
     left: list[int]
+    items: list[weakref.ref]  # the items themselves
     held: list[tuple[weakref.ref | None, ...]]  # each item's addressed tensors other than its gradient
-    param_addresses: tuple[int, ...]
     grad_addresses: tuple[int, ...]
 
     def describes(self, items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | None, ...]]) -> bool:
-        """Whether the plan was built from these tensors, where they lie now."""
-        for item, refs in zip(items, self.held):
-            for tensor, ref in zip(addressed(item), refs):
-                if (None if ref is None else ref()) is not tensor:
-                    return False
-        return (tuple(item.param.data_ptr() for item in items) == self.param_addresses
-                and tuple(item.grad.data_ptr() for item in items) == self.grad_addresses
+        """Whether the plan was built from these tensors, where they lie now (the parameters' addresses are the
+        plan's key)."""
+        if not all(map(operator.is_, items, map(operator.call, self.items))):
+            for item, refs in zip(items, self.held):
+                for tensor, ref in zip(addressed(item), refs):
+                    if (None if ref is None else ref()) is not tensor:
+                        return False
+        return (tuple(item.grad.data_ptr() for item in items) == self.grad_addresses
                 and all(item.grad.is_contiguous() for item in items))
 
 
@@ -64,10 +69,10 @@ def launch_plan(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | 
         _plans.move_to_end(key)
         return plan
     groups, left = build(items)
-    plan = LaunchPlan(groups, left,
+    plan = LaunchPlan(groups, left, [weakref.ref(item) for item in items],
                       [tuple(None if tensor is None else weakref.ref(tensor) for tensor in addressed(item))
                        for item in items],
-                      tuple(item.param.data_ptr() for item in items), tuple(item.grad.data_ptr() for item in items))
+                      tuple(item.grad.data_ptr() for item in items))
     _plans[key] = plan
     _plans.move_to_end(key)
     while len(_plans) > MAX_PLANS:
