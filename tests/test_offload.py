@@ -191,10 +191,16 @@ def test_an_item_is_offloaded_when_its_first_moment_lives_away_from_its_paramete
 
 def test_a_groups_device_copies_are_aligned_disjoint_views_of_one_allocation() -> None:
     """The CUDA copier's copies (made here on the CPU): each of its state tensor's shape and dtype, contiguous, from a
-    16-byte boundary as the one-launch kernels need, none overlapping another, and all in one allocation."""
-    homes = [torch.zeros(5, 3), torch.zeros(7, dtype=torch.int8), torch.zeros(()), torch.zeros(0, 4),
-             torch.zeros(300, dtype=torch.bfloat16)]
+    16-byte boundary as the one-launch kernels need, none overlapping another, and all in one allocation; runs of one
+    dtype and shape (cut from one view of their span) among them, each where `_layout` places it."""
+    homes = [torch.zeros(5, 3), torch.zeros(5, 3), torch.zeros(7, dtype=torch.int8), torch.zeros(()),
+             torch.zeros(0, 4), torch.zeros(300, dtype=torch.bfloat16), *[torch.zeros(4, 32) for _ in range(3)],
+             torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(8, 32), torch.zeros(256, dtype=torch.bfloat16)]
     copies = offload_module._packed_like(homes, torch.device("cpu"))
+    starts, _ = offload_module._layout(homes)
+    base = copies[0].data_ptr()
+    assert [copy.data_ptr() - base for copy in copies if copy.nbytes] == [
+        start for start, home in zip(starts, homes) if home.nbytes]
     assert [(copy.shape, copy.dtype) for copy in copies] == [(home.shape, home.dtype) for home in homes]
     assert all(copy.is_contiguous() and copy.data_ptr() % 16 == 0 for copy in copies)
     assert len({copy.untyped_storage().data_ptr() for copy in copies}) == 1
@@ -202,7 +208,8 @@ def test_a_groups_device_copies_are_aligned_disjoint_views_of_one_allocation() -
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
     for copy, value in zip(copies, range(1, len(copies) + 1)):
         copy.fill_(value)
-    assert [copy.unique().tolist() for copy in copies if copy.numel()] == [[1.0], [2], [3.0], [5.0]]
+    assert [copy.unique().tolist() for copy in copies if copy.numel()] == [[index + 1] for index, home in
+                                                                          enumerate(homes) if home.numel()]
 
 
 def test_a_groups_homes_are_packed_in_place_and_cross_in_one_copy_each_way(monkeypatch) -> None:

@@ -766,10 +766,12 @@ class Muon(Optimizer):
     def _gather(self, group: dict[str, Any], state_tensors: list[Tensor | None],
                 kept: _Kept | None) -> tuple[list[MuonTensors], list[AdamWTensors]]:
         """The group's parameters with gradients, with their state as `_init_group` listed it; held for the next
-        steps in `kept` (`_HeldItems`), but with offload, whose steps move the state home again."""
+        steps in `kept` (`_HeldItems`). With offload too: state is moved home (`keep_at_home`) only where it was made
+        or loaded, as a new tensor, which ends the hold, and packing it at home (`offload.repack_homes`) keeps each
+        tensor the same object."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
-        hold = kept is not None and self.offload is None
+        hold = kept is not None
         entries: list[tuple[Tensor, dict[str, Any] | None, tuple[str | None, ...], tuple[Tensor | None, ...],
                             MuonTensors | AdamWTensors | None]] = []
         # Not asked while torch.compile traces (`hold` False): dynamo warns at every cached function it traces.
