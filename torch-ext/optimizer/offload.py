@@ -183,10 +183,12 @@ def _is_packed(tensors: Sequence[Tensor]) -> bool:
     sized = [(tensor, start) for tensor, start in zip(tensors, starts) if tensor.nbytes]
     if not sized:
         return False
+    # A tensor that starts inside the first one's allocation lies in it (live allocations do not overlap): one
+    # address per tensor, where its storage's address, offset and element size took three calls.
     storage = sized[0][0].untyped_storage()
+    base = storage.data_ptr()
     return storage.nbytes() == total and all(
-        tensor.untyped_storage().data_ptr() == storage.data_ptr() and tensor.is_contiguous()
-        and tensor.storage_offset() * tensor.element_size() == start for tensor, start in sized)
+        tensor.data_ptr() == base + start and tensor.is_contiguous() for tensor, start in sized)
 
 
 def _allocation(tensors: Sequence[Tensor]) -> Tensor | None:
