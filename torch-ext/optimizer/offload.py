@@ -236,9 +236,11 @@ def copy_all(destinations: list[Tensor], sources: list[Tensor], packed: bool = F
 
 
 def _record_stream(copies: Sequence[Tensor], stream: torch.cuda.Stream) -> None:
-    """Marks the allocations under `copies` (usually one) in use on `stream` until its work so far is done."""
-    for copy in {copy.untyped_storage().data_ptr(): copy for copy in copies}.values():
-        copy.record_stream(stream)
+    """Marks the allocation under `copies` (views of one, `copies_on`) in use on `stream` until its work so far is
+    done: the caching allocator marks a whole allocation through any view of it, so one call serves them all (two
+    calls per copy found the distinct allocations before: ~1000 a step for GPT-2 small's 242 state tensors)."""
+    if copies:
+        copies[0].record_stream(stream)
 
 
 @dataclass(frozen=True)
