@@ -190,17 +190,22 @@ def test_a_change_between_steps_is_seen_as_torchs_optimizers_see_it(adamw_path: 
             torch.testing.assert_close(p, q, rtol=0, atol=tolerance)
 
 
-def test_a_step_after_an_unchanged_one_prepares_no_state_and_keeps_no_gradient_alive(
+def test_a_step_after_one_with_the_same_layout_prepares_no_state_and_keeps_no_gradient_alive(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler's new lr at every step keeps the items held; a new state_dtype prepares the state again."""
     params = [torch.randn(7), torch.randn(6, 4)]
     opt = Muon(params, lr=0.02)
     prepared = []
     prepare = Muon._prepared_state
     monkeypatch.setattr(Muon, "_prepared_state", lambda self, *args: prepared.append(args) or prepare(self, *args))
     for step in range(3):
+        opt.param_groups[0]["lr"] = 0.02 / (step + 1)
         seeded_grads(params, step)
         opt.step()
         assert len(prepared) == 2  # both parameters at the first step only
+    opt.param_groups[0]["state_dtype"] = torch.bfloat16
+    opt.step()
+    assert len(prepared) == 4 and opt.state[params[1]]["momentum_buffer"].dtype == torch.bfloat16
     grads = [weakref.ref(param.grad) for param in params]
     opt.zero_grad()
     gc.collect()

@@ -395,22 +395,29 @@ class _Kept:
 
     options: tuple
     muon_settings: dict[torch.device, dict[str, Any]] = field(default_factory=dict)
-    held: _HeldItems | None = None
 
     def holds(self, options: tuple) -> bool:
         return all(map(operator.is_, options, self.options))
 
 
+# The options that decide how a group's parameters are routed and what state they keep (`_view`, `_state_keys`,
+# `Muon._prepared_state`): held items hold while these stay the same objects, whatever the others do (a scheduler
+# sets a new `lr` at every step).
+_LAYOUT_OPTIONS = ("use_muon", "param_layout", "conv_mode", "state_dtype", "normalization")
+
+
 @dataclass
 class _HeldItems:
     """A group's step items as a step gathered them (`Muon._gather`), kept for the steps after: while the group's
-    parameters are the same, with gradients where they had them, and each one's state holds the same tensors under
-    the same keys, a step takes these items with the new gradients instead of checking, preparing and gathering each
-    parameter's state again. GPT-2 small's 97 AdamW tensors at 1/96 width: the check, preparation and gathering took
-    ~320 µs of the AdamW part's ~600 µs of host time, this check ~70 (2-core AMD EPYC). A state tensor replaced, a
-    parameter's state dropped or loaded, an option changed: the step gathers afresh."""
+    parameters are the same, with gradients where they had them, its `_LAYOUT_OPTIONS` the same, and each
+    parameter's state holds the same tensors under the same keys, a step takes these items with the new gradients
+    instead of checking, preparing and gathering each parameter's state again. GPT-2 small's 97 AdamW tensors at
+    1/96 width: the check, preparation and gathering took ~320 µs of the AdamW part's ~600 µs of host time, this
+    check ~70 (2-core AMD EPYC). A state tensor replaced, a parameter's state dropped or loaded, a layout option
+    changed: the step gathers afresh."""
 
     params: list[Tensor]  # the group's own list
+    options: tuple  # the group's _LAYOUT_OPTIONS
     state: Mapping[Tensor, dict[str, Any]]  # the optimizer's state mapping
     # Per parameter: itself, and with a gradient, its state dict, the keys its item was read from, their values then
     # (`_MUON_STATE`, `_ADAMW_STATE`, as `_state_keys` leaves them) and its item.
@@ -419,11 +426,13 @@ class _HeldItems:
     muon_items: list[MuonTensors]
     adamw_items: list[AdamWTensors]
 
-    def items_for(self, params: list[Tensor],
+    def items_for(self, group: dict[str, Any],
                   state: Mapping[Tensor, dict[str, Any]]) -> tuple[list[MuonTensors], list[AdamWTensors]] | None:
         """The items with the parameters' gradients now, or None where anything they were gathered from changed (or
         a gradient is sparse: the step's check then refuses it)."""
-        if params is not self.params or len(params) != len(self.entries) or state is not self.state:
+        params = group["params"]
+        if (params is not self.params or len(params) != len(self.entries) or state is not self.state
+                or not all(map(operator.is_, map(group.get, _LAYOUT_OPTIONS), self.options))):
             return None
         for param, (held, param_state, keys, values, item) in zip(params, self.entries):
             grad = param.grad
@@ -596,6 +605,7 @@ class Muon(Optimizer):
         self.qk_clip = resolve_layers(qk_clip or {}, self._named_params())
         self._workspace = Workspace()  # CPU steps' scratch memory, kept from step to step; never saved
         self._kept: dict[int, _Kept] = {}  # by id of each group whose options are all immutable; never saved
+        self._held: dict[int, _HeldItems] = {}  # by id of each group; never saved
         self._checked_gradients: CheckedGradients | None = None  # what clip_grad_norm_ read for the next step
 
     def __getstate__(self) -> dict[str, Any]:
@@ -609,6 +619,7 @@ class Muon(Optimizer):
         self.__dict__.setdefault("offload", None)  # a copy from before the option existed
         self._workspace = Workspace()
         self._kept = {}
+        self._held = {}
         self._checked_gradients = None
         for group in self.param_groups:  # a copy from before an option existed gets its default
             for key, value in self._option_defaults().items():
@@ -686,10 +697,12 @@ class Muon(Optimizer):
         """What a step of this group needs, checked before any group creates state or updates a parameter: a group
         value may have been changed since construction, and a gradient may be of a kind Muon refuses. Returns what
         steps keep from the group's options, or None where they keep nothing (`_checked_options`), and the group's
-        items held from an earlier step where they still hold (`_HeldItems`; their gradients need no check: each is
-        of its parameter's dtype, and a sparse one ends the hold)."""
+        items held from an earlier step where they still hold (`_HeldItems`, whatever options other than the layout's
+        changed; their gradients need no check: each is of its parameter's dtype, and a sparse one ends the hold)."""
         kept = self._checked_options(group, option_keys)
-        held = None if kept is None or kept.held is None else kept.held.items_for(group["params"], self.state)
+        # Not while tracing (dynamo up to torch 2.11 cannot trace id() of a dict): a compiled step gathers each time.
+        held = None if torch.compiler.is_compiling() else self._held.get(id(group))
+        held = None if held is None else held.items_for(group, self.state)
         if held is None:
             self._check_gradients(group)
         return kept, held
@@ -764,14 +777,13 @@ class Muon(Optimizer):
                 state_tensors.extend(map(state.get, muon_keys if view is not None else adamw_keys))
 
     def _gather(self, group: dict[str, Any], state_tensors: list[Tensor | None],
-                kept: _Kept | None) -> tuple[list[MuonTensors], list[AdamWTensors]]:
-        """The group's parameters with gradients, with their state as `_init_group` listed it; held for the next
-        steps in `kept` (`_HeldItems`). With offload too: state is moved home (`keep_at_home`) only where it was made
+                hold: bool) -> tuple[list[MuonTensors], list[AdamWTensors]]:
+        """The group's parameters with gradients, with their state as `_init_group` listed it; with `hold`, held for
+        the next steps (`_HeldItems`). With offload too: state is moved home (`keep_at_home`) only where it was made
         or loaded, as a new tensor, which ends the hold, and packing it at home (`offload.repack_homes`) keeps each
         tensor the same object."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
-        hold = kept is not None
         entries: list[tuple[Tensor, dict[str, Any] | None, tuple[str | None, ...], tuple[Tensor | None, ...],
                             MuonTensors | AdamWTensors | None]] = []
         # Not asked while torch.compile traces (`hold` False): dynamo warns at every cached function it traces.
@@ -801,7 +813,8 @@ class Muon(Optimizer):
             start += count
             entries.append((param, self.state[param] if hold else None, keys, values, item))
         if hold:
-            kept.held = _HeldItems(group["params"], self.state, entries, muon_items, adamw_items)
+            self._held[id(group)] = _HeldItems(group["params"], tuple(map(group.get, _LAYOUT_OPTIONS)), self.state,
+                                               entries, muon_items, adamw_items)
         return muon_items, adamw_items
 
     def _prepared_state(self, group: dict[str, Any], param: Tensor, view: MatrixView | None) -> dict[str, Any]:
@@ -965,8 +978,9 @@ class Muon(Optimizer):
         for group, tensors, items in zip(self.param_groups, state_tensors, held):
             if items is None:
                 self._init_group(group, tensors)
-        gathered = [self._gather(group, tensors, each) if items is None else items
-                    for group, tensors, each, items in zip(self.param_groups, state_tensors, kept, held)]
+        hold = not torch.compiler.is_compiling()
+        gathered = [self._gather(group, tensors, hold) if items is None else items
+                    for group, tensors, items in zip(self.param_groups, state_tensors, held)]
         # Offloaded updates run once both parts have issued theirs, so that all their state streams in one schedule.
         schedule = StagedUpdates() if self.offload is not None else None
         self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(self.param_groups, gathered)], schedule)
@@ -978,9 +992,10 @@ class Muon(Optimizer):
             schedule.run()
         if qk_logits:
             qk_clip_(self.qk_clip, qk_logits, self.qk_clip_threshold, self.process_group)
-        for each in kept:
-            if each is not None and each.held is not None:
-                each.held.release_gradients()
+        if hold:  # and the held items of groups no longer in the optimizer go
+            self._held = {id(group): self._held[id(group)] for group in self.param_groups if id(group) in self._held}
+            for each in self._held.values():
+                each.release_gradients()
         return loss
 
     @torch.no_grad()
