@@ -16,7 +16,7 @@ at once (four chunks' in the distributed pipeline).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
@@ -404,10 +404,10 @@ def staged(staging: Staging[Item], copier: Copier) -> tuple[list[Item], list[Ten
     fields: list[dict[str, Tensor]] = [{} for _ in staging.items]
     for (index, field), copy in zip(staging.places, copies):
         fields[index][field] = copy
-    return [_holding(item, moved.items()) for item, moved in zip(staging.items, fields)], copies
+    return [_holding(item, moved) for item, moved in zip(staging.items, fields)], copies
 
 
-def _holding(item: Item, fields: Iterable[tuple[str, Tensor]]) -> Item:
+def _holding(item: Item, fields: Mapping[str, Tensor]) -> Item:
     """A copy of the item (a plain dataclass) with `fields` set: `dataclasses.replace` runs `__init__` again over
     every field, 2.1 µs an item against 0.65 (2-core AMD EPYC), for each of a step's ~150 items."""
     moved = object.__new__(type(item))
