@@ -390,10 +390,17 @@ def start_fetch(group: Sequence[Item], copier: Copier, repack: bool = False) -> 
     """Starts copying the group's offloaded state (plain tensors: a DTensor's local shards) to its device; with
     `repack` (the items hold the optimizer's own state tensors), after packing it where it lives (`repack_homes`).
     The homes go field by field (every item's first moment, then every item's second, ...; the items of a group are
-    of one type), so that a bucket's tensors of one shape and dtype lie in runs, which `_packed_like` cuts at once:
-    item by item, the int8 codes and their scales alternated."""
-    places = [(index, field) for field in OFFLOADED_FIELDS[type(group[0])] for index, item in enumerate(group)
-              if getattr(item, field) is not None]
+    of one type), and within a field by dtype and shape in the order first met, so that tensors of one shape and
+    dtype lie in runs, which `_packed_like` cuts at once: item by item, the int8 codes and their scales alternated,
+    and the AdamW part's vectors (a block's biases and norms, each of another shape than the last) took three view
+    calls a tensor, ~0.6 ms of GPT-2 small's offloaded step on the host (2-core AMD EPYC)."""
+    runs: dict[tuple[str, torch.dtype, torch.Size], list[tuple[int, str]]] = {}
+    for field in OFFLOADED_FIELDS[type(group[0])]:
+        for index, item in enumerate(group):
+            home = getattr(item, field)
+            if home is not None:
+                runs.setdefault((field, home.dtype, home.shape), []).append((index, field))
+    places = [place for run in runs.values() for place in run]
     homes = [getattr(group[index], field) for index, field in places]
     return Staging(list(group), places, homes, copier.fetch(homes, group[0].param.device, repack))
 
