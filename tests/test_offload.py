@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from kernel_under_test import optimizer
-from offload_recording import offload_module, recorded_offload
+from offload_recording import RecordingCopier, offload_module, recorded_offload
 
 Muon = optimizer.Muon
 HAS_CUDA = torch.cuda.is_available()
@@ -210,6 +210,33 @@ def test_a_groups_device_copies_are_aligned_disjoint_views_of_one_allocation() -
         copy.fill_(value)
     assert [copy.unique().tolist() for copy in copies if copy.numel()] == [[index + 1] for index, home in
                                                                           enumerate(homes) if home.numel()]
+
+
+def test_a_fetch_lays_a_groups_homes_in_runs_and_hands_each_item_its_own_copies() -> None:
+    """`start_fetch` orders a group's homes field by field and, within a field, in runs of one dtype and shape (the
+    vectors of a model's blocks alternate shapes); `staged` hands each item the device copies of its own tensors."""
+    functional = sys.modules[f"{optimizer.__name__}.functional"]
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(48,), (16,), (48,), (3, 4), (16,), (48,)]
+
+    def item(shape: tuple[int, ...]) -> functional.AdamWTensors:
+        param, exp_avg, exp_avg_sq = (torch.randn(shape, generator=generator) for _ in range(3))
+        return functional.AdamWTensors(param, param.clone(), exp_avg, exp_avg_sq, torch.zeros(()), torch.zeros(()))
+
+    group = [item(shape) for shape in shapes]
+    copier = RecordingCopier([])
+    staging = offload_module.start_fetch(group, copier)
+    runs = [(field, staging.homes[index].shape) for index, (_, field) in enumerate(staging.places)]
+    starts = [run for index, run in enumerate(runs) if index == 0 or runs[index - 1] != run]
+    assert len(starts) == len(set(starts)) == 2 * len(set(shapes)), runs  # each run in one piece
+    assert [field for field, _ in starts] == ["exp_avg"] * 3 + ["exp_avg_sq"] * 3
+    staged, copies = offload_module.staged(staging, copier)
+    assert len(copies) == 2 * len(group)
+    for original, moved in zip(group, staged):
+        assert moved.param is original.param and moved.grad is original.grad
+        for field in ("exp_avg", "exp_avg_sq"):
+            copy, home = getattr(moved, field), getattr(original, field)
+            assert copy is not home and copy.shape == home.shape and torch.equal(copy, home), field
 
 
 def test_a_groups_homes_are_packed_in_place_and_cross_in_one_copy_each_way(monkeypatch) -> None:
