@@ -96,12 +96,30 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> f
 
 
 def paired_medians_ms(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
-    """Median wall times of several functions measured side by side: on CPUs in rounds that run each once, so that
-    a machine that slows down for a while slows every one of them alike (steps take seconds: a drift between two
-    back-to-back medians moved the ratio by 20%); on GPUs `do_bench` for each."""
+    """Median wall times of several functions measured side by side, in rounds that time each once, so that a
+    machine that slows down for a while slows every one of them alike: on CPUs a call per round (steps take
+    seconds: a drift between two back-to-back medians moved the ratio by 20%), on GPUs a short `do_bench` per round
+    (GPU_ROUNDS of them), the median of its medians."""
     if device.type == "cuda":
-        return [median_ms(fn, device, repeats) for fn in fns]
+        return _do_bench_rounds(fns)
     return [statistics.median(measured) for measured in paired_times_ms(fns, repeats)]
+
+
+# A GPU row is the median of this many short `do_bench` runs, taken in turn with the rows beside it. Timed one after
+# the other (a long `do_bench` each), the step rows of one H100 run (2026-11-27) moved together by up to 1.7x from
+# the compiled step's row on (AOL 10.08 ms against 5.58-6.30 in the other runs, torch's kernels in place of the
+# one-launch ones 13.83 against 7.53-9.01, bf16 state 10.61 against 6.87), as a host-bound step does when its host
+# slows down part way.
+GPU_ROUNDS = 5
+
+
+def _do_bench_rounds(fns: list[Callable[[], object]]) -> list[float]:
+    from triton.testing import do_bench
+    for fn in fns:  # compilation, lazy state and allocations, outside any round
+        fn()
+    torch.cuda.synchronize()
+    rounds = [[do_bench(fn, warmup=5, rep=20, return_mode="median") for fn in fns] for _ in range(GPU_ROUNDS)]
+    return [statistics.median(times) for times in zip(*rounds)]
 
 
 def paired_times_ms(fns: list[Callable[[], object]], repeats: int) -> list[list[float]]:
@@ -900,7 +918,7 @@ def render(rows: list[Row], header: list[str], notes: list[str] = ()) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row on CPU (GPU: do_bench's own)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row on CPU (GPU: do_bench's own, in GPU_ROUNDS rounds where rows are paired)")
     parser.add_argument("--sections", default="gram,zeropower,step,dist", help="comma-separated subset to run")
     parser.add_argument("--dist-blocks", type=int, default=2, help="GPT-2 small blocks in the dist section")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write the results file")
