@@ -918,7 +918,8 @@ def render(rows: list[Row], header: list[str], notes: list[str] = ()) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row on CPU (GPU: do_bench's own, in GPU_ROUNDS rounds where rows are paired)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per row on CPU (GPU: do_bench's own, GPU_ROUNDS times for paired rows)")
     parser.add_argument("--sections", default="gram,zeropower,step,dist", help="comma-separated subset to run")
     parser.add_argument("--dist-blocks", type=int, default=2, help="GPT-2 small blocks in the dist section")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write the results file")
