@@ -23,7 +23,7 @@ from torch import Tensor
 from . import native
 from .launch_plans import launch_plan
 from .newton_schulz import Orthogonalizer, staging_dtype
-from .normalization import normalize, rms_rule_scale, uses_rms_rule
+from .normalization import normalize, rms_rule_scales, uses_rms_rule
 from .routing import MatrixView
 from .state_precision import advance_counts_
 from .triton_kernels import (TRITON_AVAILABLE, apply_takes, launch_adamw_, launch_apply_, launch_counts_,
@@ -307,11 +307,25 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
                                         [item.update_step for item in round_items], skipped,
                                         [item.view for item in round_items], normalization, normalization_beta,
                                         orthogonalizer.eps, bias_correction=not rms_rule, sums_of_squares=rms_rule)
-        step_sizes = []
-        for index, (item, update, item_lr) in enumerate(zip(round_items, updates, round_lrs)):
-            rms_scale = rms_rule_scale(totals[index], item.view, orthogonalizer.eps) if rms_rule else None
-            step_sizes.append(-update_step_size(item_lr, adjust_lr_fn, item.view, normalize_spatial, rms_scale))
+        step_sizes = _negated_step_sizes(round_items, round_lrs, adjust_lr_fn, normalize_spatial, totals,
+                                         orthogonalizer.eps)
         _apply_update_(params, updates, _round_decay(skipped, rates, round_items, params[0].dtype), step_sizes)
+
+
+def _negated_step_sizes(items: Sequence[MuonTensors], lrs: Sequence[LearningRate], adjust_lr_fn: str | None,
+                        normalize_spatial: bool, totals: Tensor | None, eps: float) -> list[LearningRate]:
+    """Each item's `update_step_size`, negated (the update is added), where `totals` (None: no RMS rule) holds each
+    update's ‖U‖². Under the RMS rule with number lrs, the lrs multiply the scales in one launch for all, the sign
+    with them (exact: a product's rounding is symmetric), where a product and a negation per item took two launches
+    each on a GPU."""
+    if totals is None:
+        return [-update_step_size(lr, adjust_lr_fn, item.view, normalize_spatial, None) for item, lr in zip(items, lrs)]
+    scales = rms_rule_scales(totals, [item.view for item in items], eps)
+    factors = [adjusted_lr(lr, None, item.view, normalize_spatial) for item, lr in zip(items, lrs)]
+    if any(isinstance(factor, Tensor) for factor in factors):
+        return [-(factor * scale) for factor, scale in zip(factors, scales)]
+    torch._foreach_mul_(scales, [-factor for factor in factors])
+    return scales
 
 
 class Rates:

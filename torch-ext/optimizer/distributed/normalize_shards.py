@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..functional import MuonTensors
-from ..normalization import normalize, rms_rule_scale, row_squares, second_moment_shape
+from ..normalization import normalize, rms_rule_scales, row_squares, second_moment_shape
 from ..routing import MatrixView
 from . import comm
 from .dtensors import local_tensor
@@ -37,7 +37,7 @@ def normalize_shards(updates: Sequence[Tensor], items: Sequence[MuonTensors], la
     if any(layout.is_sharded for layout in layouts):
         counted = torch.tensor([layout.counts_once(rank) for layout in layouts], device=totals.device)
         totals = comm.all_reduce_sum_(totals * counted, group)
-    return normalized, [rms_rule_scale(total, view, eps) for total, view in zip(totals.unbind(), views)]
+    return normalized, rms_rule_scales(totals, views, eps)
 
 
 def _whole_rows(row_squares: list[Tensor], views: Sequence[MatrixView], layouts: Sequence[ShardLayout], rank: int,
