@@ -120,12 +120,15 @@ def _composed(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
         means = [update.to(dtype, copy=True).square_() for update in updates]
     torch._foreach_mul_(list(second_moments), list(decays.unbind()))
     torch._foreach_add_(list(second_moments), means, alpha=1.0 - beta)
-    normalized = []
-    for index, (update, moment) in enumerate(zip(updates, second_moments)):
-        if corrections is not None:
-            moment = moment / corrections[index]
-        normalized.append((update.to(dtype) / moment.sqrt().add_(eps)).to(update.dtype))
-    return normalized
+    # The roots and their eps in two launches for all, where a root and an add took two per parameter; same roundings.
+    denominators = torch._foreach_sqrt(list(second_moments) if corrections is None
+                                       else torch._foreach_div(list(second_moments), list(corrections)))
+    torch._foreach_add_(denominators, eps)
+    # A narrower update is divided as it is (promoted to dtype in the division: the same values, without a cast's
+    # launch and pass); a wider one (a float64 iteration's) is rounded to dtype first, where the division would widen
+    # the denominator instead.
+    return [((update if torch.promote_types(update.dtype, dtype) == dtype else update.to(dtype)) / denominator)
+            .to(update.dtype) for update, denominator in zip(updates, denominators)]
 
 
 def rms_rule_scales(sums_of_squares: Tensor, views: Sequence[MatrixView], eps: float) -> list[Tensor]:
