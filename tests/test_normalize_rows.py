@@ -98,7 +98,7 @@ def test_near_the_composition_it_replaces(update_dtype: torch.dtype, transposed:
 
 def test_shards_of_rows_and_conv_views_take_the_composition() -> None:
     updates, moments, steps, views = _inputs(torch.float32, torch.float32, False, seed=2)
-    row_sums = [normalization.row_squares(update, view, torch.float32) for update, view in zip(updates, views)]
+    row_sums = normalization.row_squares(updates, views, torch.float32)
     conv = torch.randn(6, 3, 2, 2)
     conv_view = routing.matrix_view(conv.shape)
     for args in ((updates, row_sums, moments, steps, torch.zeros(5, dtype=torch.bool), views),

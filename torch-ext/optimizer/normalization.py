@@ -41,14 +41,21 @@ def moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(param_dtype, torch.float32)
 
 
-def row_squares(update: Tensor, view: MatrixView, dtype: torch.dtype) -> Tensor:
-    """What an update (in its parameter's layout, or a shard of it) adds to NorMuon's second moment before the mean:
-    the sum of its squares along each row. A shard that holds part of a row sums only its part; the caller adds the
-    other shards' sums. The row sums are norms squared: one pass over the update, where widening, squaring and
-    summing took three (2x the time on GPT-2's bf16 updates, 2-core Xeon)."""
-    narrower = torch.promote_types(update.dtype, dtype) != dtype  # vector_norm only widens (float64 iterations)
-    return torch.linalg.vector_norm(update.to(dtype) if narrower else update, dim=view.column_dims, keepdim=True,
-                                    dtype=dtype).square()
+def row_squares(updates: Sequence[Tensor], views: Sequence[MatrixView], dtype: torch.dtype) -> list[Tensor]:
+    """What each update (in its parameter's layout, or a shard of it) adds to NorMuon's second moment before the
+    mean: the sum of its squares along each row. A shard that holds part of a row sums only its part; the caller adds
+    the other shards' sums. The row sums are norms squared: one pass over each update, where widening, squaring and
+    summing took three (2x the time on GPT-2's bf16 updates, 2-core Xeon), and the squares one launch for all."""
+    norms = [torch.linalg.vector_norm(_in_moment_dtype(update, dtype), dim=view.column_dims, keepdim=True, dtype=dtype)
+             for update, view in zip(updates, views)]
+    return torch._foreach_mul(norms, norms)
+
+
+def _in_moment_dtype(update: Tensor, dtype: torch.dtype) -> Tensor:
+    """The update where ops that promote it reach `dtype` (a moment dtype, `moment_dtype`): itself, or where it is
+    wider (a float64 iteration's), rounded to `dtype` (vector_norm and the division only widen). Told by the dtypes'
+    sizes, which order float dtypes as promotion does: `torch.promote_types` is an operator call (two a matrix here)."""
+    return update if update.dtype.itemsize <= dtype.itemsize else update.to(dtype)
 
 
 def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, second_moments: Sequence[Tensor],
@@ -79,7 +86,7 @@ def normalize(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
     normalized = _composed(updates, row_sums, second_moments, decays, corrections, views, normalization, beta, eps)
     if not sums_of_squares:
         return normalized, None
-    return normalized, torch.stack([sum_of_squares(update) for update in normalized]).to(torch.float64)
+    return normalized, _sums_of_squares(normalized)
 
 
 def _compiled_pass(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, moments: Sequence[Tensor],
@@ -114,7 +121,7 @@ def _composed(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
     dtype = second_moments[0].dtype
     if normalization == "neuron":
         if row_sums is None:
-            row_sums = [row_squares(update, view, dtype) for update, view in zip(updates, views)]
+            row_sums = row_squares(updates, views, dtype)
         means = [total / view.cols for total, view in zip(row_sums, views)]
     else:
         means = [update.to(dtype, copy=True).square_() for update in updates]
@@ -124,11 +131,16 @@ def _composed(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
     denominators = torch._foreach_sqrt(list(second_moments) if corrections is None
                                        else torch._foreach_div(list(second_moments), list(corrections)))
     torch._foreach_add_(denominators, eps)
-    # A narrower update is divided as it is (promoted to dtype in the division: the same values, without a cast's
-    # launch and pass); a wider one (a float64 iteration's) is rounded to dtype first, where the division would widen
-    # the denominator instead.
-    return [((update if torch.promote_types(update.dtype, dtype) == dtype else update.to(dtype)) / denominator)
-            .to(update.dtype) for update, denominator in zip(updates, denominators)]
+    # In place, as the compiled passes are: the quotient, computed in dtype (the update promoted in the division), is
+    # rounded once to the update's dtype as it is stored, one launch a parameter where a cast, the division and a cast
+    # back took three. A wider update (a float64 iteration's) is rounded to dtype first, as the division would not.
+    for update, denominator in zip(updates, denominators):
+        numerator = _in_moment_dtype(update, dtype)
+        if numerator is update:
+            update.div_(denominator)
+        else:
+            update.copy_(numerator / denominator)
+    return list(updates)
 
 
 def rms_rule_scales(sums_of_squares: Tensor, views: Sequence[MatrixView], eps: float) -> list[Tensor]:
@@ -141,6 +153,8 @@ def rms_rule_scales(sums_of_squares: Tensor, views: Sequence[MatrixView], eps: f
                               [_RMS * math.sqrt(view.batch * view.rows * view.cols) for view in views])
 
 
-def sum_of_squares(update: Tensor) -> Tensor:
-    """‖update‖², accumulated in its second moment's dtype, in one pass (see `squares`)."""
-    return torch.linalg.vector_norm(update, dtype=moment_dtype(update.dtype)).square()
+def _sums_of_squares(updates: Sequence[Tensor]) -> Tensor:
+    """Each update's ‖U‖², accumulated in its second moment's dtype, as an (N,) float64 tensor: a norm per update
+    (one pass over it), the squares one launch for all."""
+    norms = [torch.linalg.vector_norm(update, dtype=moment_dtype(update.dtype)) for update in updates]
+    return torch.stack(torch._foreach_mul(norms, norms)).to(torch.float64)

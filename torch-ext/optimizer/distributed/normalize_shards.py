@@ -28,8 +28,7 @@ def normalize_shards(updates: Sequence[Tensor], items: Sequence[MuonTensors], la
     views = [item.view for item in items]
     row_sums = None
     if normalization == "neuron":
-        row_sums = _whole_rows([row_squares(update, view, moments[0].dtype) for update, view in zip(updates, views)],
-                               views, layouts, rank, group)
+        row_sums = _whole_rows(row_squares(updates, views, moments[0].dtype), views, layouts, rank, group)
     normalized, totals = normalize(updates, row_sums, moments, [item.update_step for item in items], skipped, views,
                                    normalization, beta, eps, bias_correction=not rms_rule, sums_of_squares=rms_rule)
     if totals is None:
