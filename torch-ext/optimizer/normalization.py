@@ -122,7 +122,8 @@ def _composed(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
     if normalization == "neuron":
         if row_sums is None:
             row_sums = row_squares(updates, views, dtype)
-        means = [total / view.cols for total, view in zip(row_sums, views)]
+        # One launch for all, a true division (a CUDA tensor over a number multiplies by the number's reciprocal)
+        means = torch._foreach_div(list(row_sums), [float(view.cols) for view in views])
     else:
         means = [update.to(dtype, copy=True).square_() for update in updates]
     torch._foreach_mul_(list(second_moments), list(decays.unbind()))
