@@ -286,21 +286,22 @@ def test_tensor_norms_count_a_gradient_whose_norm_overflows_as_not_finite() -> N
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
-@pytest.mark.parametrize("state_dtype, layer_groups", [(None, False), (torch.bfloat16, False), ("int8", False),
-                                                       (None, True)])
-def test_clip_and_step_on_a_gpu_do_not_sync_with_the_host(state_dtype: torch.dtype | str | None,
-                                                           layer_groups: bool) -> None:
+@pytest.mark.parametrize("state_dtype, layer_groups, normalization",
+                         [(None, False, None), (torch.bfloat16, False, None), ("int8", False, None), (None, True, None),
+                          (None, True, "neuron"), (None, False, "element")])
+def test_clip_and_step_on_a_gpu_do_not_sync_with_the_host(state_dtype: torch.dtype | str | None, layer_groups: bool,
+                                                           normalization: str | None) -> None:
     """Moments stored rounded too: their counts once moved through a list index, which torch copies to the GPU from
     pageable memory (a sync, and 0.3-0.8 ms of a GPT-2-small step on an H100). A group per layer at its own lr and
     decay: its two same-shape matrices share a bucket, whose per-parameter decay factors reach the GPU from pinned
-    memory."""
+    memory. NorMuon and AdaMuon: their composition of torch ops, and the RMS rule's step sizes made on the GPU."""
     torch.manual_seed(0)
     blocks = [torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)] if layer_groups else [torch.nn.Linear(16, 16)]
     model = torch.nn.Sequential(torch.nn.Embedding(50, 16), *blocks, torch.nn.LayerNorm(16),
                                 torch.nn.Linear(16, 50)).cuda()
     params = ([dict(params=layer.parameters(), lr=0.02 / (index + 1), weight_decay=0.01 * index)
                for index, layer in enumerate(model)] if layer_groups else model.parameters())
-    opt = optimizer.Muon(params, lr=0.02, state_dtype=state_dtype)
+    opt = optimizer.Muon(params, lr=0.02, state_dtype=state_dtype, normalization=normalization)
     tokens = torch.randint(0, 50, (4, 6), device="cuda")
     for _ in range(2):  # the first step creates state and picks paths
         model(tokens).square().mean().backward()

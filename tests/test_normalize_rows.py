@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, load_fallback_variant, submodule
+from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
 
 native = submodule(load_cpu_variant(), "native")
 normalization = submodule(load_cpu_variant(), "normalization")
@@ -94,6 +94,31 @@ def test_near_the_composition_it_replaces(update_dtype: torch.dtype, transposed:
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine, reference, rtol=torch.finfo(update_dtype).eps + 1e-5, atol=0)
     torch.testing.assert_close(our_totals, their_totals, rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["bias-corrected", "uncorrected"])
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_gpus_composition_matches_the_cpus(update_dtype: torch.dtype, bias_correction: bool) -> None:
+    """On a GPU `normalize` takes the composition of torch ops (its foreach launches, each update divided in place),
+    held to the same composition on the CPU (the fallback build's): a skipped parameter left as it was."""
+    results = []
+    for device, module in (("cpu", fallback_normalization), ("cuda", submodule(optimizer, "normalization"))):
+        updates, moments, steps, views = _inputs(update_dtype, torch.float32, True, seed=4)
+        updates, moments, steps = ([tensor.to(device) for tensor in tensors] for tensors in (updates, moments, steps))
+        updates[1].zero_()
+        skipped = torch.tensor([False, True, False, False, False], device=device)
+        out, totals = module.normalize(updates, None, moments, steps, skipped, views, "neuron", BETA, EPS,
+                                       bias_correction, sums_of_squares=True)
+        assert all(result is update for result, update in zip(out, updates))
+        results.append(([tensor.cpu() for tensor in (*out, *moments, *steps)], totals.cpu()))
+    (cpu_tensors, cpu_totals), (gpu_tensors, gpu_totals) = results
+    # the row sums' order (CUDA's reduction against the CPU's) moves the moments by a few float32 roundings, and an
+    # update by those and its own rounding
+    moment_rtol = 64 * torch.finfo(torch.float32).eps
+    for on_cpu, on_gpu in zip(cpu_tensors, gpu_tensors):
+        torch.testing.assert_close(on_gpu, on_cpu, rtol=torch.finfo(on_cpu.dtype).eps + moment_rtol, atol=1e-30)
+    torch.testing.assert_close(gpu_totals, cpu_totals, rtol=1e-5, atol=0)
 
 
 def test_shards_of_rows_and_conv_views_take_the_composition() -> None:
