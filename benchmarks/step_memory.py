@@ -26,8 +26,11 @@ CONFIGS: dict[str, dict | None] = {
     "optimizer.Muon, state_dtype=torch.bfloat16": {"state_dtype": torch.bfloat16},
     "optimizer.Muon, state_dtype='int8'": {"state_dtype": "int8"},
 }
-GPU_CONFIGS = {"optimizer.Muon, offload='cpu'": {"offload": "cpu"},  # on a CPU the option moves nothing
-               "optimizer.Muon, offload='cpu', state_dtype='int8'": {"offload": "cpu", "state_dtype": "int8"}}
+# Measured on GPUs only: offload moves nothing on a CPU, and NorMuon's step there is the compiled ops' (its GPU
+# composition of torch ops took 2.6x the default step's time on an H100, host-bound: step_profile.py profiles these).
+GPU_CONFIGS = {"optimizer.Muon, offload='cpu'": {"offload": "cpu"},
+               "optimizer.Muon, offload='cpu', state_dtype='int8'": {"offload": "cpu", "state_dtype": "int8"},
+               "optimizer.Muon, normalization='neuron' (NorMuon)": {"normalization": "neuron"}}
 
 # How the peak is measured, per device type, for the report.
 METHOD = {"cuda": "torch.cuda.max_memory_allocated", "cpu": "peak resident set of a fresh process, VmHWM"}
