@@ -124,8 +124,9 @@ def _composed(updates: Sequence[Tensor], row_sums: Sequence[Tensor] | None, seco
             row_sums = row_squares(updates, views, dtype)
         # One launch for all, a true division (a CUDA tensor over a number multiplies by the number's reciprocal)
         means = torch._foreach_div(list(row_sums), [float(view.cols) for view in views])
-    else:
-        means = [update.to(dtype, copy=True).square_() for update in updates]
+    else:  # the squares in one launch for all, of the updates in dtype (a cast each where their dtype is another)
+        widened = [update.to(dtype) for update in updates]
+        means = torch._foreach_mul(widened, widened)
     torch._foreach_mul_(list(second_moments), list(decays.unbind()))
     torch._foreach_add_(list(second_moments), means, alpha=1.0 - beta)
     # The roots and their eps in two launches for all, where a root and an add took two per parameter; same roundings.
