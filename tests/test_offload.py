@@ -46,7 +46,7 @@ def test_staged_steps_match_unstaged_ones_and_fetch_a_group_ahead_in_one_schedul
     chunk_numel = {"cpu": 1} if muon_chunks else functional._BUCKET_NUMEL
     monkeypatch.setattr(functional, "_BUCKET_NUMEL", chunk_numel)
     if adamw_group_bytes is not None:
-        monkeypatch.setattr(offload_module, "ADAMW_GROUP_BYTES", adamw_group_bytes)
+        monkeypatch.setattr(offload_module, "GROUP_BYTES", adamw_group_bytes)
     for name in ("muon_update", "adamw_update"):
         update = getattr(offload_module, name)
         monkeypatch.setattr(offload_module, name, lambda *args, _update=update, **kwargs: (log.append("update"),
@@ -99,6 +99,84 @@ def test_staged_groups_that_differ_only_in_lr_and_weight_decay_share_buckets_as_
     assert batches == [2, 1, 1] * 3
 
 
+@pytest.mark.parametrize("budget", [None, 3000], ids=["every group in a kept buffer", "two groups too large"])
+def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_kept_between_steps(
+        monkeypatch, budget) -> None:
+    """Four groups a step: Muon's buckets of (32, 16) (4 KiB of float32 momentum), (24, 16) (1.5 KiB) and (16, 48)
+    (3 KiB), then the AdamW vectors (512 bytes). Group k's copies are cut from kept buffer k % SLOTS, each buffer as
+    large as the largest group it serves, and a fetch into a buffer waits for the write-back of the group that used
+    it before in the step; a group over the budget (3000 bytes: the first and the third) takes memory of its own at
+    each step, waiting for nothing. From the second step on, nothing is laid out, only the groups without a kept
+    buffer are bound to memory, the updates get the same items as before, and the AdamW part's one-launch plan (Triton
+    under the interpreter) is the first step's. A checkpoint load replaces the state tensors (and the schedule): the
+    next step lays every group out anew. Parameters and state stay bitwise those of the same steps without offload."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors in Triton kernels need the interpreter")
+    functional = sys.modules[f"{optimizer.__name__}.functional"]
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(functional, "_one_launch_failed", set())  # filled only by a kernel that fails
+    if budget is not None:
+        monkeypatch.setattr(offload_module, "GROUP_BYTES", budget)
+    calls = {"lay_out": 0, "bind": 0, "plans": 0}
+    handed: list[list[int]] = []
+
+    def counted(name: str, function: Callable) -> Callable:
+        return lambda *args, **kwargs: (calls.__setitem__(name, calls[name] + 1), function(*args, **kwargs))[1]
+
+    monkeypatch.setattr(offload_module, "lay_out", counted("lay_out", offload_module.lay_out))
+    monkeypatch.setattr(offload_module.LaidOut, "bind", counted("bind", offload_module.LaidOut.bind))
+    monkeypatch.setattr(functional, "_launch_groups", counted("plans", functional._launch_groups))
+    for name in ("muon_update", "adamw_update"):
+        update = getattr(offload_module, name)
+        monkeypatch.setattr(offload_module, name, lambda items, *args, _update=update, **kwargs: (
+            handed.append(list(map(id, items))), _update(items, *args, **kwargs))[1])
+
+    def run(offload: str | None) -> tuple[list[torch.Tensor], Muon, list[dict[str, int]]]:
+        params = _model_params(0)
+        opt = Muon(params, lr=0.02)
+        opt.offload = offload  # set after construction: on CPU parameters the constructor only warns
+        generator = torch.Generator().manual_seed(1)
+        counts = []
+        for step in range(4):
+            if step == 3:
+                opt.load_state_dict(opt.state_dict())
+            for param in params:  # in place after the first, as the caching allocator would place them
+                grad = torch.randn(param.shape, generator=generator)
+                param.grad = grad if param.grad is None else param.grad.copy_(grad)
+            opt.step()
+            counts.append(dict(calls))
+            calls.update({name: 0 for name in calls})
+        return params, opt, counts
+
+    copiers: list[RecordingCopier] = []
+    with recorded_offload([], copiers):
+        staged_params, staged, counts = run("cpu")
+    staged_handed = handed[:]
+    plain_params, plain, _ = run(None)
+    for staged_param, plain_param in zip(staged_params, plain_params):
+        assert torch.equal(staged_param, plain_param)
+        for key, value in plain.state[plain_param].items():
+            assert torch.equal(staged.state[staged_param][key], value), key
+    unslotted = 0 if budget is None else 2
+    assert counts == [{"lay_out": 4, "bind": 4, "plans": 1}, *[{"lay_out": 0, "bind": unslotted, "plans": 0}] * 2,
+                      {"lay_out": 4, "bind": 4, "plans": 1}]
+    steps = [staged_handed[4 * step:4 * step + 4] for step in range(4)]
+    kept = [0, 1, 2, 3] if budget is None else [1, 3]
+    assert [steps[1][k] for k in kept] == [steps[0][k] for k in kept] == [steps[2][k] for k in kept]
+    assert all(set(steps[3][k]).isdisjoint(steps[2][k]) for k in range(4))
+    waits = [None, None, None, 0] if budget is None else [None] * 4
+    # A load makes a new schedule (torch's load_state_dict sets the optimizer's state anew: `__setstate__`).
+    assert [copier.waits for copier in copiers] == [waits * 3, waits]
+    lane = staged._staged_updates._lanes[torch.device("cpu")]
+    slots = [position % offload_module.SLOTS for position in range(4)]
+    for position, group in enumerate(lane.groups):
+        assert (group.memory is lane.buffers[slots[position]]) == (position in kept)
+    sizes = [group.nbytes for group in lane.groups]
+    assert [buffer.numel() for buffer in lane.buffers] == [
+        max([size for size, slot, position in zip(sizes, slots, range(4)) if slot == buffer and position in kept],
+            default=0) for buffer in range(offload_module.SLOTS)]
+
+
 def _adamw_item(numel: int, rounded: bool = False, contiguous: bool = True):
     functional = sys.modules[f"{optimizer.__name__}.functional"]
     param = torch.randn(numel) if contiguous else torch.randn(2 * numel)[::2]
@@ -143,7 +221,7 @@ def test_an_adamw_parameter_staged_in_pieces_steps_and_counts_as_one_staged_whol
         monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
         monkeypatch.setattr(functional, "_one_launch_failed", set())  # filled only by a kernel that fails
     log: list[str] = []
-    monkeypatch.setattr(offload_module, "ADAMW_GROUP_BYTES", 2048)
+    monkeypatch.setattr(offload_module, "GROUP_BYTES", 2048)
 
     def run(offload: str | None) -> tuple[torch.Tensor, Muon]:
         param = torch.randn(1000, generator=torch.Generator().manual_seed(0)).requires_grad_()
@@ -196,8 +274,8 @@ def test_a_groups_device_copies_are_aligned_disjoint_views_of_one_allocation() -
     homes = [torch.zeros(5, 3), torch.zeros(5, 3), torch.zeros(7, dtype=torch.int8), torch.zeros(()),
              torch.zeros(0, 4), torch.zeros(300, dtype=torch.bfloat16), *[torch.zeros(4, 32) for _ in range(3)],
              torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(8, 32), torch.zeros(256, dtype=torch.bfloat16)]
-    copies = offload_module._packed_like(homes, torch.device("cpu"))
-    starts, _ = offload_module._layout(homes)
+    starts, total = offload_module._layout(homes)
+    copies = offload_module._cut(homes, torch.empty(total, dtype=torch.uint8))
     base = copies[0].data_ptr()
     assert [copy.data_ptr() - base for copy in copies if copy.nbytes] == [
         start for start, home in zip(starts, homes) if home.nbytes]
@@ -213,8 +291,9 @@ def test_a_groups_device_copies_are_aligned_disjoint_views_of_one_allocation() -
 
 
 def test_a_fetch_lays_a_groups_homes_in_runs_and_hands_each_item_its_own_copies() -> None:
-    """`start_fetch` orders a group's homes field by field and, within a field, in runs of one dtype and shape (the
-    vectors of a model's blocks alternate shapes); `staged` hands each item the device copies of its own tensors."""
+    """`lay_out` (here through `start_fetch`) orders a group's homes field by field and, within a field, in runs of
+    one dtype and shape (the vectors of a model's blocks alternate shapes); `staged` hands each item the device copies
+    of its own tensors."""
     functional = sys.modules[f"{optimizer.__name__}.functional"]
     generator = torch.Generator().manual_seed(0)
     shapes = [(48,), (16,), (48,), (3, 4), (16,), (48,)]
@@ -226,12 +305,13 @@ def test_a_fetch_lays_a_groups_homes_in_runs_and_hands_each_item_its_own_copies(
     group = [item(shape) for shape in shapes]
     copier = RecordingCopier([])
     staging = offload_module.start_fetch(group, copier)
-    runs = [(field, staging.homes[index].shape) for index, (_, field) in enumerate(staging.places)]
+    laid = staging.group
+    runs = [(field, laid.homes[index].shape) for index, (_, field) in enumerate(laid.places)]
     starts = [run for index, run in enumerate(runs) if index == 0 or runs[index - 1] != run]
     assert len(starts) == len(set(starts)) == 2 * len(set(shapes)), runs  # each run in one piece
     assert [field for field, _ in starts] == ["exp_avg"] * 3 + ["exp_avg_sq"] * 3
-    staged, copies = offload_module.staged(staging, copier)
-    assert len(copies) == 2 * len(group)
+    staged = offload_module.staged(staging, copier)
+    assert len(laid.transfer.device_side) == 2 * len(group)
     for original, moved in zip(group, staged):
         assert moved.param is original.param and moved.grad is original.grad
         for field in ("exp_avg", "exp_avg_sq"):
@@ -239,11 +319,20 @@ def test_a_fetch_lays_a_groups_homes_in_runs_and_hands_each_item_its_own_copies(
             assert copy is not home and copy.shape == home.shape and torch.equal(copy, home), field
 
 
-def test_a_groups_homes_are_packed_in_place_and_cross_in_one_copy_each_way(monkeypatch) -> None:
+def _bound(homes: list[torch.Tensor], packed: bool, spare: int = 0):
+    """A layout of `homes` (of no items) bound to memory of its own, `spare` bytes larger than it needs (a kept
+    buffer that a larger group made)."""
+    nbytes = offload_module._layout(homes)[1]
+    laid = offload_module.LaidOut([], [], homes, packed=packed, nbytes=nbytes)
+    laid.bind(torch.empty(nbytes + spare, dtype=torch.uint8))
+    return laid
+
+
+def test_a_groups_homes_are_packed_in_place_and_cross_in_one_copy_each_way() -> None:
     """`repack_homes` moves a group's state tensors into one allocation laid out as their device copies are, each
-    tensor the same object with the same values; then a fetch and a write-back are one copy each (the per-tensor
-    call refused here), a second packing changes nothing, and a group that changes is packed anew, leaving the
-    tensor it dropped as it was. Homes not packed (AdamW pieces) are copied one by one."""
+    tensor the same object with the same values; then a fetch and a write-back are one copy each, of the group's bytes
+    (however large the buffer its copies are cut from), a second packing changes nothing, and a group that changes is
+    packed anew, leaving the tensor it dropped as it was. Homes not packed (AdamW pieces) are copied one by one."""
     homes = [torch.randn(5, 3), torch.arange(7, dtype=torch.int8), torch.tensor(2.5), torch.zeros(0, 4),
              torch.randn(300).to(torch.bfloat16)]
     dropped = torch.randn(9)
@@ -259,25 +348,29 @@ def test_a_groups_homes_are_packed_in_place_and_cross_in_one_copy_each_way(monke
     offload_module.repack_homes(homes)
     assert homes[0].data_ptr() == packed_at
 
-    def refused(*args, **kwargs):
-        raise AssertionError("a packed group was copied tensor by tensor")
-
-    monkeypatch.setattr(torch, "_foreach_copy_", refused)
-    copies = offload_module.copies_on(torch.device("cpu"), homes, packed=True)
+    laid = _bound(homes, packed=True, spare=4096)
+    transfer = laid.transfer
+    assert [side[0].nbytes for side in (transfer.device_side, transfer.host_side)] == [laid.nbytes] * 2
+    assert len(transfer.device_side) == len(transfer.host_side) == 1
+    offload_module.copy_all(transfer.device_side, transfer.host_side)
+    copies = offload_module._cut(homes, laid.memory)
     assert all(map(torch.equal, copies, values))
     for copy in copies:
         copy.add_(1)
-    offload_module.copy_all(homes, copies, packed=True)
+    offload_module.copy_all(transfer.host_side, transfer.device_side)
     assert all(torch.equal(home, value + 1) for home, value in zip(homes, values))
-    monkeypatch.undo()
     # Views laid out as a packed group's homes would be (400-byte tensors 512 bytes apart, in 1024 bytes), but with
     # other entries between them: not packed, so copied tensor by tensor, and the entries between stay as they were.
     whole = torch.randn(256)
     before = whole.clone()
     pieces = [whole[:100], whole[128:228]]
     assert offload_module._is_packed(pieces)
-    copies = offload_module.copies_on(torch.device("cpu"), pieces)
-    offload_module.copy_all(pieces, [copy + 1 for copy in copies])
+    transfer = _bound(pieces, packed=False).transfer
+    assert transfer.host_side == pieces and len(transfer.device_side) == 2
+    offload_module.copy_all(transfer.device_side, transfer.host_side)
+    for copy in transfer.device_side:
+        copy.add_(1)
+    offload_module.copy_all(transfer.host_side, transfer.device_side)
     assert torch.equal(whole[:100], before[:100] + 1) and torch.equal(whole[128:228], before[128:228] + 1)
     assert torch.equal(whole[100:128], before[100:128]) and torch.equal(whole[228:], before[228:])
 
@@ -305,7 +398,7 @@ def test_an_unknown_offload_target_is_refused() -> None:
 def test_offloaded_state_lives_pinned_on_the_host_and_steps_as_on_the_gpu(monkeypatch, state_dtype, pieces) -> None:
     if pieces:  # the (48,) vector in three pieces of 16 entries (64-byte views, as the one-launch kernel takes them)
         monkeypatch.setattr(offload_module, "PIECE_ALIGNMENT", 16)
-        monkeypatch.setattr(offload_module, "ADAMW_GROUP_BYTES", 16 * 8)
+        monkeypatch.setattr(offload_module, "GROUP_BYTES", 16 * 8)
     offloaded_params = [param.detach().cuda().requires_grad_() for param in _model_params(0)]
     resident_params = [param.detach().cuda().requires_grad_() for param in _model_params(0)]
     offloaded = _train(offloaded_params, 3, state_dtype=state_dtype, offload="cpu")

@@ -26,8 +26,8 @@ from typing import Any
 
 from torch import Tensor
 
-# Plans kept at once: one per call site, enough for the AdamW tensors of a model's param groups and devices (a step's
-# offload groups, whose state is fetched to new device copies each step, are rebuilt each time anyway).
+# Plans kept at once: one per call site, enough for the AdamW tensors of a model's param groups and devices and its
+# offload groups (those of whole parameters; a parameter's pieces take the place of the last step's, as above).
 MAX_PLANS = 32
 
 

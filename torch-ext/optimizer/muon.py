@@ -606,6 +606,7 @@ class Muon(Optimizer):
         self._workspace = Workspace()  # CPU steps' scratch memory, kept from step to step; never saved
         self._kept: dict[int, _Kept] = {}  # by id of each group whose options are all immutable; never saved
         self._held: dict[int, _HeldItems] = {}  # by id of each group; never saved
+        self._staged_updates = StagedUpdates()  # with offload, each step's schedule and its kept buffers; never saved
         self._checked_gradients: CheckedGradients | None = None  # what clip_grad_norm_ read for the next step
 
     def __getstate__(self) -> dict[str, Any]:
@@ -620,6 +621,7 @@ class Muon(Optimizer):
         self._workspace = Workspace()
         self._kept = {}
         self._held = {}
+        self._staged_updates = StagedUpdates()
         self._checked_gradients = None
         for group in self.param_groups:  # a copy from before an option existed gets its default
             for key, value in self._option_defaults().items():
@@ -982,7 +984,7 @@ class Muon(Optimizer):
         gathered = [self._gather(group, tensors, hold) if items is None else items
                     for group, tensors, items in zip(self.param_groups, state_tensors, held)]
         # Offloaded updates run once both parts have issued theirs, so that all their state streams in one schedule.
-        schedule = StagedUpdates() if self.offload is not None else None
+        schedule = self._staged_updates if self.offload is not None else None
         self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(self.param_groups, gathered)], schedule)
         adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(self.param_groups, gathered)
                         if adamw_items]

@@ -1,23 +1,27 @@
 """`offload="cpu"`: optimizer state kept in pinned host memory and brought to the compute device one group of
 parameters at a time, the next group's copy in flight while the current one computes.
 
-`run_staged` is the single-device schedule, written against a `Copier` so that it runs, and is tested, without a
-GPU:
+A step's Muon buckets and AdamW parameter groups go through one schedule per device (`StagedUpdates`, which the
+optimizer keeps from step to step), written against a `Copier` so that it runs, and is tested, without a GPU:
     fetch(0); fetch(1); update(0); write back(0); fetch(2); update(1); write back(1); ...
-A step's Muon buckets and AdamW parameter groups go through one such schedule (`StagedUpdates`), so that the
-AdamW part's first fetch overlaps the Muon part's last update and the host waits for the write-backs once.
-The distributed pipeline stages its chunks with the same `start_fetch` / `staged` / `Copier.write_back`, a chunk's
-fetch issued while the chunks before it compute. The CUDA copier issues fetches on one side stream and write-backs on
-another, so that the host link carries both directions at once: a fetch waits for nothing on the compute stream (the
-host memory it reads was last written back by the previous step, which waited for its write-backs), an update waits
-for its fetch's event, and a write-back waits for the update's event. The device then holds at most two groups' state
-at once (four chunks' in the distributed pipeline).
+so that the AdamW part's first fetch overlaps the Muon part's last update and the host waits for the write-backs
+once. Group k's device copies are cut from buffer k % SLOTS of a few kept between steps (`_Lane`), and each group's
+layout, copies and the items holding them are kept too while its items are the same objects: a later step repeats
+only the copies and the update, whose AdamW launch plans (`launch_plans`) then find the same items again. A fetch into
+a buffer waits for the write-back of the group that used it before. The distributed pipeline stages its chunks with
+`start_fetch` / `staged` / `Copier.write_back` on memory of their own, a chunk's fetch issued while the chunks before
+it compute. The CUDA copier issues fetches on one side stream and write-backs on another, so that the host link
+carries both directions at once: an update waits for its fetch's event, a write-back for the update's event, and a
+fetch for nothing on the compute stream (the host memory it reads was last written back by the previous step, which
+waited for its write-backs). The device holds about SLOTS groups' state at once (four chunks' in the distributed
+pipeline), and between steps the kept buffers.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -32,8 +36,15 @@ OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
 # The state the option moves: the moments and their block scales, and NorMuon/AdaMuon's second moment. Counters stay
 # with the parameter (a few bytes, read by every step's bookkeeping).
 OFFLOADED_STATE = (*MOMENT_KEYS, *(scale_key(key) for key in MOMENT_KEYS), "update_sq")
-# Bytes of AdamW state fetched to the device per group at most, but for a parameter that cannot be cut (`_pieces`).
-ADAMW_GROUP_BYTES = 32 << 20
+# Bytes of state a group fetches to the device at most, where it can: AdamW parameters go in groups of up to this
+# much (a larger one cut into pieces where it can be, `_pieces`), and a group of up to this much takes its copies from
+# a buffer kept between steps (a larger one, a bucket of large matrices or moments stored rounded, which stay whole,
+# takes memory of its own for the step).
+GROUP_BYTES = 32 << 20
+# The buffers kept. Three, not two: with two, a fetch would wait for the write-back of the group before the one
+# updating, which starts only once that group's update is done, so that where updates take about as long as copies
+# the host link would carry one direction at a time (a schedule worked out on paper, not measured).
+SLOTS = 3
 # The same tensors as fields of functional's items, by the item's type.
 OFFLOADED_FIELDS = {MuonTensors: ("momentum_buffer", "momentum_scales", "second_moment"),
                     AdamWTensors: ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales")}
@@ -77,16 +88,30 @@ def _first_moment(item: MuonTensors | AdamWTensors) -> Tensor:
     return item.momentum_buffer if isinstance(item, MuonTensors) else item.exp_avg
 
 
+@dataclass
+class Transfer:
+    """What crosses the host link for a group of items, in each direction: each device-side tensor from and into its
+    host-side one, and the device allocation under the device side (for the copier to mark in use on its streams)."""
+
+    device_side: list[Tensor]
+    host_side: list[Tensor]
+    memory: Tensor
+
+
 class Copier(Protocol):
-    def fetch(self, homes: list[Tensor], device: torch.device, repack: bool = False) -> Any:
-        """Starts copying `homes` to `device` (with `repack`, after `repack_homes`); returns a handle for `ready`."""
+    def allocate(self, nbytes: int, device: torch.device) -> Tensor:
+        """Uninitialized memory on `device` (uint8) for a group's copies, safe to fill by a fetch."""
 
-    def ready(self, handle: Any) -> list[Tensor]:
-        """The device copies of a fetch, safe to use on the compute stream."""
+    def fetch(self, transfer: Transfer, after: Any = None) -> Any:
+        """Starts copying the host side into the device side once the write-back `after` (a handle `write_back`
+        returned, or None) is done reading that memory; returns a handle for `ready`."""
 
-    def write_back(self, copies: list[Tensor], homes: list[Tensor], packed: bool = False) -> None:
-        """Starts copying the updated `copies` back into `homes` (`packed`: fetched with `repack`) once the compute
-        stream is done with them."""
+    def ready(self, handle: Any) -> None:
+        """Orders the compute stream's next work after the fetch."""
+
+    def write_back(self, transfer: Transfer) -> Any:
+        """Starts copying the device side, updated, back into the host side once the compute stream is done with it;
+        returns a handle for a later fetch into the same memory."""
 
     def finish(self) -> None:
         """Returns once every write-back is in host memory."""
@@ -99,7 +124,7 @@ _COPY_ALIGNMENT = 512
 
 @dataclass
 class _Fetched:
-    copies: list[Tensor]  # views of one allocation
+    memory: Tensor
     event: torch.cuda.Event
 
 
@@ -116,23 +141,28 @@ class CudaCopier:
         self.fetch_stream = torch.cuda.Stream(device)
         self.write_stream = torch.cuda.Stream(device)
 
-    def fetch(self, homes: list[Tensor], device: torch.device, repack: bool = False) -> _Fetched:
-        if repack:
-            repack_homes(homes)
-        with torch.cuda.stream(self.fetch_stream):
-            return _Fetched(copies_on(device, homes, repack), self.fetch_stream.record_event())
+    def allocate(self, nbytes: int, device: torch.device) -> Tensor:
+        with torch.cuda.stream(self.fetch_stream):  # the stream that writes it first
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def ready(self, handle: _Fetched) -> list[Tensor]:
+    def fetch(self, transfer: Transfer, after: torch.cuda.Event | None = None) -> _Fetched:
+        if after is not None:
+            self.fetch_stream.wait_event(after)
+        with torch.cuda.stream(self.fetch_stream):
+            copy_all(transfer.device_side, transfer.host_side)
+            return _Fetched(transfer.memory, self.fetch_stream.record_event())
+
+    def ready(self, handle: _Fetched) -> None:
         compute = torch.cuda.current_stream(self.fetch_stream.device)
         compute.wait_event(handle.event)
-        _record_stream(handle.copies, compute)  # allocated on the fetch stream, used on the compute stream
-        return handle.copies
+        handle.memory.record_stream(compute)  # allocated on the fetch stream, used on the compute stream
 
-    def write_back(self, copies: list[Tensor], homes: list[Tensor], packed: bool = False) -> None:
+    def write_back(self, transfer: Transfer) -> torch.cuda.Event:
         self.write_stream.wait_event(torch.cuda.current_stream(self.write_stream.device).record_event())
-        _record_stream(copies, self.write_stream)
+        transfer.memory.record_stream(self.write_stream)
         with torch.cuda.stream(self.write_stream):
-            copy_all(homes, copies, packed)
+            copy_all(transfer.host_side, transfer.device_side)
+            return self.write_stream.record_event()
 
     def finish(self) -> None:
         self.write_stream.synchronize()  # the host may read the state as soon as step() returns
@@ -151,13 +181,12 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _COPY_ALIGNMENT) * _COPY_ALIGNMENT
 
 
-def _packed_like(tensors: Sequence[Tensor], device: torch.device, pin: bool = False) -> list[Tensor]:
-    """Uninitialized contiguous tensors of `tensors`' shapes and dtypes on `device`, views of one allocation laid out
-    by `_layout`. Each run of tensors of one dtype and shape (a bucket's momentum buffers, an AdamW parameter's two
-    moments) is cut from one view of its span, a row per tensor: three view calls per tensor took ~5 µs each on the
-    host, more than the rest of a fetch's work for a bucket of small matrices."""
-    _, total = _layout(tensors)
-    memory = torch.empty(total, dtype=torch.uint8, device=device, pin_memory=pin)
+def _cut(tensors: Sequence[Tensor], memory: Tensor) -> list[Tensor]:
+    """Uninitialized contiguous tensors of `tensors`' shapes and dtypes, views of `memory` (uint8, at least
+    `_layout`'s total bytes) where `_layout` places them. Each run of tensors of one dtype and shape (a bucket's
+    momentum buffers, an AdamW parameter's two moments) is cut from one view of its span, a row per tensor: three view
+    calls per tensor took ~5 µs each on the host, more than the rest of a fetch's work for a bucket of small
+    matrices."""
     views: list[Tensor] = []
     start = index = 0
     while index < len(tensors):
@@ -191,56 +220,31 @@ def _is_packed(tensors: Sequence[Tensor]) -> bool:
         tensor.data_ptr() == base + start and tensor.is_contiguous() for tensor, start in sized)
 
 
-def _allocation(tensors: Sequence[Tensor]) -> Tensor | None:
-    """The whole allocation under `tensors` (each in the same one), as one uint8 tensor; None where they hold no
-    bytes."""
-    sized = next((tensor for tensor in tensors if tensor.nbytes), None)
-    if sized is None:
-        return None
-    storage = sized.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=sized.device).set_(storage, 0, (storage.nbytes(),))
+def _allocation(tensors: Sequence[Tensor]) -> Tensor:
+    """The whole allocation under `tensors` (each in the same one, some with bytes), as one uint8 tensor."""
+    storage = next(tensor for tensor in tensors if tensor.nbytes).untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage, 0, (storage.nbytes(),))
 
 
 @torch.no_grad()  # `set_` under autograd would make each tensor a view
 def repack_homes(homes: Sequence[Tensor]) -> None:
     """Moves a group's homes, the optimizer's own state tensors (no views of them), into one pinned allocation laid
     out by `_layout`, each tensor keeping its identity (`set_`), so that the group crosses the host link in one copy
-    each way (`copy_all`). Nothing where they lie so already (`_is_packed`: for the optimizer's own state tensors in
-    an allocation this function made, or a checkpoint's copy of one). A group that changes (a parameter
-    without a gradient this step) is packed anew, its old allocation freed once no state tensor is left in it."""
+    each way (`LaidOut.bind`). Nothing where they lie so already (`_is_packed`: for the optimizer's own state tensors
+    in an allocation this function made, or a checkpoint's copy of one). A group that changes (a parameter without a
+    gradient this step) is packed anew, its old allocation freed once no state tensor is left in it."""
     if _is_packed(homes):
         return
-    for home, packed in zip(homes, _packed_like(homes, torch.device("cpu"), pin=torch.cuda.is_available())):
+    memory = torch.empty(_layout(homes)[1], dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    for home, packed in zip(homes, _cut(homes, memory)):
         home.set_(packed.copy_(home).untyped_storage(), packed.storage_offset(), packed.shape, packed.stride())
 
 
-def copies_on(device: torch.device, homes: list[Tensor], packed: bool = False) -> list[Tensor]:
-    """Copies of `homes` on `device`, views of one allocation (`_packed_like`), filled by `copy_all`."""
-    copies = _packed_like(homes, device)
-    copy_all(copies, homes, packed)
-    return copies
-
-
-def copy_all(destinations: list[Tensor], sources: list[Tensor], packed: bool = False) -> None:
-    """Each source into its destination, asynchronously where one side is pinned host memory. With `packed` (one
-    side a group's device copies, the other the homes `repack_homes` packed for this fetch: both laid out by
-    `_layout` in allocations of their own) one copy of the whole allocation, padding included; else one call for all
-    (the foreach op refuses empty lists). Only `packed` may copy the padding: other homes, such as a parameter's
-    pieces, may have other tensors' entries there."""
-    if packed:
-        destination, source = _allocation(destinations), _allocation(sources)
-        if source is not None:
-            destination.copy_(source, non_blocking=True)
-    elif sources:
+def copy_all(destinations: list[Tensor], sources: list[Tensor]) -> None:
+    """Each source into its destination in one call, asynchronously where one side is pinned host memory (the
+    foreach op refuses empty lists)."""
+    if sources:
         torch._foreach_copy_(destinations, sources, non_blocking=True)
-
-
-def _record_stream(copies: Sequence[Tensor], stream: torch.cuda.Stream) -> None:
-    """Marks the allocation under `copies` (views of one, `copies_on`) in use on `stream` until its work so far is
-    done: the caching allocator marks a whole allocation through any view of it, so one call serves them all (two
-    calls per copy found the distinct allocations before: ~1000 a step for GPT-2 small's 242 state tensors)."""
-    if copies:
-        copies[0].record_stream(stream)
 
 
 @dataclass(frozen=True)
@@ -251,13 +255,15 @@ class Stage(Generic[Item]):
 
 
 class StagedUpdates:
-    """The offloaded updates of one optimizer step, Muon's buckets and AdamW's parameter groups, gathered as the step
-    issues them and run as one schedule per device (`run`). Each part ran a schedule of its own and waited for its
-    write-backs, so the AdamW part's first fetch (GPT-2 small's embedding: 309 MB of float32 moments, ~5.6 ms at
-    the 55 GB/s an H100's host link gave) waited behind the Muon part's last write-back and a host sync."""
+    """The offloaded updates of an optimizer's steps, Muon's buckets and AdamW's parameter groups, gathered as a step
+    issues them and run as one schedule per device (`run`), each device's with what it keeps between steps (`_Lane`).
+    Each part ran a schedule of its own and waited for its write-backs, so the AdamW part's first fetch (GPT-2 small's
+    embedding: 309 MB of float32 moments, ~5.6 ms at the 55 GB/s an H100's host link gave) waited behind the Muon
+    part's last write-back and a host sync."""
 
     def __init__(self) -> None:
         self._stages: dict[torch.device, list[Stage]] = {}
+        self._lanes: dict[torch.device, _Lane] = {}
 
     def add(self, device: torch.device, group: list[Item], update: Callable[[list[Item]], None],
             repack: bool) -> None:
@@ -268,7 +274,165 @@ class StagedUpdates:
         every write-back is in host memory."""
         stages, self._stages = self._stages, {}
         for device, device_stages in stages.items():
-            run_staged(device_stages, CudaCopier(device))
+            lane = self._lanes.get(device)
+            if lane is None:
+                lane = self._lanes[device] = _Lane(CudaCopier(device), device)
+            lane.run(device_stages)
+
+
+class _Lane:
+    """One device's offloaded updates from step to step: its copier, the SLOTS buffers that groups of up to
+    GROUP_BYTES of state take their copies from (group k's from buffer k % SLOTS; a larger group takes memory of its
+    own for the step), and each group's layout with its copies (`LaidOut`), kept while the group's items are the same
+    objects and its buffer the same. Laying out, cutting the copies and handing them to new items at each step took
+    about half of what offload added to the step's host time, and the AdamW part's launch plans, rebuilt for the new
+    items, most of the rest: kept, the added time went from 2.1 to 0.6 ms with float32 state and from 2.6 to 0.65 ms
+    with int8 (GPT-2 small's structure at 1/96 width with the GPU path's kernels stubbed, 2-core AMD EPYC)."""
+
+    def __init__(self, copier: Copier, device: torch.device) -> None:
+        self.copier = copier
+        self.device = device
+        self.buffers: list[Tensor | None] = [None] * SLOTS
+        self.groups: list[LaidOut] = []
+
+    def run(self, stages: Sequence[Stage]) -> None:
+        """The stages' updates, each group's state fetched before the group before it updates, and written back
+        after its own update."""
+        groups = [self._laid_out(position, stage) for position, stage in enumerate(stages)]
+        self._bind(groups)
+        self.groups = groups
+        freed: list[Any] = [None] * SLOTS  # each buffer's last write-back in this step
+        handle = self.copier.fetch(groups[0].transfer)
+        for position, (stage, group) in enumerate(zip(stages, groups)):
+            self.copier.ready(handle)
+            group.refresh()
+            if position + 1 < len(groups):
+                following = self._slot(position + 1, groups[position + 1])
+                handle = self.copier.fetch(groups[position + 1].transfer,
+                                           None if following is None else freed[following])
+            stage.update(group.staged)
+            written = self.copier.write_back(group.transfer)
+            slot = self._slot(position, group)
+            if slot is not None:
+                freed[slot] = written
+        self.copier.finish()
+        for position, group in enumerate(groups):
+            group.release(unbind=self._slot(position, group) is None)
+
+    def _laid_out(self, position: int, stage: Stage) -> LaidOut:
+        kept = self.groups[position] if position < len(self.groups) else None
+        return kept if kept is not None and kept.holds(stage.items) else lay_out(stage.items, stage.repack)
+
+    @staticmethod
+    def _slot(position: int, group: LaidOut) -> int | None:
+        return position % SLOTS if group.nbytes <= GROUP_BYTES else None
+
+    def _bind(self, groups: Sequence[LaidOut]) -> None:
+        """Grows each buffer to the largest group it serves (the groups cut from it before are cut again), and binds
+        each group not bound to its memory."""
+        needed = [0] * SLOTS
+        for position, group in enumerate(groups):
+            slot = self._slot(position, group)
+            if slot is not None:
+                needed[slot] = max(needed[slot], group.nbytes)
+        for slot, nbytes in enumerate(needed):
+            buffer = self.buffers[slot]
+            if buffer is None or buffer.numel() < nbytes:
+                self.buffers[slot] = self.copier.allocate(nbytes, self.device)
+        for position, group in enumerate(groups):
+            slot = self._slot(position, group)
+            if slot is None:
+                group.bind(self.copier.allocate(group.nbytes, self.device))
+            elif group.memory is not self.buffers[slot]:
+                group.bind(self.buffers[slot])
+
+
+@dataclass
+class LaidOut(Generic[Item]):
+    """A group of items with their offloaded state as one fetch moves it: the homes in order (`lay_out`), each one's
+    item (its index) and field, and once bound to device memory (`bind`), what crosses the host link and the items
+    holding the copies. An item the optimizer holds from step to step changes only its gradient
+    (`muon._HeldItems`): any other change makes a new item, which a kept layout does not hold."""
+
+    items: list[Item]
+    places: list[tuple[int, str]]
+    homes: list[Tensor]
+    packed: bool  # the homes fill one allocation of their own (`repack_homes`): one copy each way
+    nbytes: int  # of the copies' allocation
+    memory: Tensor | None = None
+    transfer: Transfer | None = None
+    staged: list[Item] = field(default_factory=list)
+
+    def holds(self, items: Sequence[Item]) -> bool:
+        return len(items) == len(self.items) and all(map(operator.is_, items, self.items))
+
+    def bind(self, memory: Tensor) -> None:
+        """Cuts the copies from `memory` and makes the items that hold them."""
+        copies = _cut(self.homes, memory)
+        fields: list[dict[str, Tensor]] = [{} for _ in self.items]
+        for (index, name), copy in zip(self.places, copies):
+            fields[index][name] = copy
+        self.staged = [_holding(item, moved) for item, moved in zip(self.items, fields)]
+        self.memory = memory
+        self.transfer = (Transfer([memory[:self.nbytes]], [_allocation(self.homes)], memory) if self.packed
+                         else Transfer(copies, self.homes, memory))
+
+    def refresh(self) -> None:
+        """The staged items with their items' gradients now."""
+        for moved, item in zip(self.staged, self.items):
+            moved.grad = item.grad
+
+    def release(self, unbind: bool = False) -> None:
+        """Lets go of the step's gradients (and with `unbind`, of the memory and copies, which the next step binds
+        anew)."""
+        for moved in self.staged:
+            moved.grad = None
+        if unbind:
+            self.memory, self.transfer, self.staged = None, None, []
+
+
+def lay_out(group: Sequence[Item], repack: bool) -> LaidOut[Item]:
+    """A group's offloaded state (plain tensors: a DTensor's local shards) laid out for its fetches; with `repack`
+    (the items hold the optimizer's own state tensors), packed where it lives (`repack_homes`). The homes go field by
+    field (every item's first moment, then every item's second, ...; the items of a group are of one type), and
+    within a field by dtype and shape in the order first met, so that tensors of one shape and dtype lie in runs,
+    which `_cut` cuts at once: item by item, the int8 codes and their scales alternated, and the AdamW part's vectors
+    (a block's biases and norms, each of another shape than the last) took three view calls a tensor, ~0.5 ms of the
+    offloaded step of GPT-2 small's structure at 1/96 width on the host (2-core AMD EPYC)."""
+    runs: dict[tuple[str, torch.dtype, torch.Size], list[tuple[int, str]]] = {}
+    for name in OFFLOADED_FIELDS[type(group[0])]:
+        for index, item in enumerate(group):
+            home = getattr(item, name)
+            if home is not None:
+                runs.setdefault((name, home.dtype, home.shape), []).append((index, name))
+    places = [place for run in runs.values() for place in run]
+    homes = [getattr(group[index], name) for index, name in places]
+    if repack:
+        repack_homes(homes)
+    nbytes = _layout(homes)[1]
+    return LaidOut(list(group), places, homes, packed=repack and nbytes > 0, nbytes=nbytes)
+
+
+@dataclass
+class Staging(Generic[Item]):
+    """A group of items whose offloaded state is on its way to their device."""
+
+    group: LaidOut[Item]
+    handle: Any
+
+
+def start_fetch(items: Sequence[Item], copier: Copier) -> Staging[Item]:
+    """Starts copying the items' offloaded state (`lay_out`, not repacked) to their device, into memory of its own."""
+    group = lay_out(items, repack=False)
+    group.bind(copier.allocate(group.nbytes, items[0].param.device))
+    return Staging(group, copier.fetch(group.transfer))
+
+
+def staged(staging: Staging[Item], copier: Copier) -> list[Item]:
+    """The group's items holding the device copies of their state, once the copies are ready; their write-back is
+    `copier.write_back(staging.group.transfer)`."""
+    copier.ready(staging.handle)
+    return staging.group.staged
 
 
 def staged_muon_update(items: list[MuonTensors], *, schedule: StagedUpdates | None = None, **settings: Any) -> None:
@@ -298,7 +462,7 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
     if found_inf is None:
         found_inf = nonfinite_flags([item.grad for item in items])
     rates = Rates(items, settings["lr"], settings["weight_decay"])
-    for group in adamw_groups(items, ADAMW_GROUP_BYTES):
+    for group in adamw_groups(items, GROUP_BYTES):
         parameters = [index for index, _ in group]
         # Each group's lrs and weight decays, found by its parameters' items before their state is staged.
         update = partial(adamw_update, found_inf=picked(found_inf, parameters),
@@ -311,8 +475,8 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
 def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[tuple[int, AdamWTensors]]]:
     """Consecutive parameters whose offloaded state adds up to at most `budget` bytes per group, a parameter with
     more cut into pieces that fit (`_pieces`), or where it cannot be cut, alone; each item (a parameter or a piece)
-    with its parameter's index in `items`. The device holds two groups' state at once, and each group costs its
-    copies' and its update's launches (GPT-2 small's 97 AdamW tensors one at a time: ~2000 operator calls, 5.2x the
+    with its parameter's index in `items`. The device holds up to SLOTS groups' state at once, and each group costs
+    its copies' and its update's launches (GPT-2 small's 97 AdamW tensors one at a time: ~2000 operator calls, 5.2x the
     on-GPU step on an H200)."""
     groups: list[list[tuple[int, AdamWTensors]]] = []
     total = 0
@@ -357,62 +521,10 @@ def _pieces(item: AdamWTensors, budget: int) -> list[AdamWTensors]:
 
 
 def _state_bytes(item: AdamWTensors) -> int:
-    return sum(getattr(item, field).nbytes for field in _fields(item))
-
-
-def run_staged(stages: Sequence[Stage], copier: Copier) -> None:
-    """Each stage's update of its group of functional's items with their offloaded state on the parameters' device:
-    the next group's state is fetched before this group's update is issued, and this group's is written back after."""
-    if not stages:
-        return
-    pending = start_fetch(stages[0].items, copier, stages[0].repack)
-    for index, stage in enumerate(stages):
-        group, copies = staged(pending, copier)
-        homes, packed = pending.homes, stage.repack
-        if index + 1 < len(stages):
-            pending = start_fetch(stages[index + 1].items, copier, stages[index + 1].repack)
-        stage.update(group)
-        copier.write_back(copies, homes, packed)
-    copier.finish()
-
-
-@dataclass
-class Staging(Generic[Item]):
-    """A group of items whose offloaded state is on its way to their device."""
-
-    items: list[Item]
-    places: list[tuple[int, str]]  # each home's item (its index) and field
-    homes: list[Tensor]  # the state's home tensors
-    handle: Any
-
-
-def start_fetch(group: Sequence[Item], copier: Copier, repack: bool = False) -> Staging[Item]:
-    """Starts copying the group's offloaded state (plain tensors: a DTensor's local shards) to its device; with
-    `repack` (the items hold the optimizer's own state tensors), after packing it where it lives (`repack_homes`).
-    The homes go field by field (every item's first moment, then every item's second, ...; the items of a group are
-    of one type), and within a field by dtype and shape in the order first met, so that tensors of one shape and
-    dtype lie in runs, which `_packed_like` cuts at once: item by item, the int8 codes and their scales alternated,
-    and the AdamW part's vectors (a block's biases and norms, each of another shape than the last) took three view
-    calls a tensor, ~0.5 ms of the offloaded step of GPT-2 small's structure at 1/96 width on the host (2-core AMD
-    EPYC)."""
-    runs: dict[tuple[str, torch.dtype, torch.Size], list[tuple[int, str]]] = {}
-    for field in OFFLOADED_FIELDS[type(group[0])]:
-        for index, item in enumerate(group):
-            home = getattr(item, field)
-            if home is not None:
-                runs.setdefault((field, home.dtype, home.shape), []).append((index, field))
-    places = [place for run in runs.values() for place in run]
-    homes = [getattr(group[index], field) for index, field in places]
-    return Staging(list(group), places, homes, copier.fetch(homes, group[0].param.device, repack))
-
-
-def staged(staging: Staging[Item], copier: Copier) -> tuple[list[Item], list[Tensor]]:
-    """The group's items holding the device copies of their state, and those copies (for `Copier.write_back`)."""
-    copies = copier.ready(staging.handle)
-    fields: list[dict[str, Tensor]] = [{} for _ in staging.items]
-    for (index, field), copy in zip(staging.places, copies):
-        fields[index][field] = copy
-    return [_holding(item, moved) for item, moved in zip(staging.items, fields)], copies
+    """The bytes of an AdamW parameter's offloaded state, asked of every one at every step: 0.43 µs an item, against
+    0.79 asking for the fields by name (2-core AMD EPYC)."""
+    moments = (item.exp_avg, item.exp_avg_sq, item.exp_avg_scales, item.exp_avg_sq_scales)
+    return sum(tensor.nbytes for tensor in moments if tensor is not None)
 
 
 def _holding(item: Item, fields: Mapping[str, Tensor]) -> Item:
@@ -422,7 +534,3 @@ def _holding(item: Item, fields: Mapping[str, Tensor]) -> Item:
     moved.__dict__.update(item.__dict__)
     moved.__dict__.update(fields)
     return moved
-
-
-def _fields(item: MuonTensors | AdamWTensors) -> list[str]:
-    return [field for field in OFFLOADED_FIELDS[type(item)] if getattr(item, field) is not None]

@@ -90,8 +90,7 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings,
     if copier is not None:
         staging = start_fetch([_with_local_state(item.tensors) for item in chunk], copier)
         yield
-        tensors, copies = staged(staging, copier)
-        chunk = [replace(item, tensors=moved) for item, moved in zip(chunk, tensors)]
+        chunk = [replace(item, tensors=moved) for item, moved in zip(chunk, staged(staging, copier))]
     layouts = [item.layout for item in chunk]
     gather, scatter = chunk_exchanges(tuple(layouts), tuple(item.shares for item in chunk), settings.rank)
 
@@ -131,7 +130,7 @@ def chunk_pipeline(chunk: list[SpreadItem], settings: SpreadSettings,
         apply_update(local_tensor(item.tensors.param), update, finite[j], item.tensors.nonfinite_skips,
                      lr=item.lr, weight_decay=item.weight_decay, step_size=step_size)
     if copier is not None:
-        copier.write_back(copies, staging.homes)
+        copier.write_back(staging.group.transfer)
 
 
 def _with_local_state(tensors: MuonTensors) -> MuonTensors:
