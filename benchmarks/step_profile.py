@@ -121,15 +121,17 @@ _HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 
 def device_timeline(events) -> str:
     """How the step's device work overlapped (an offloaded step's copies with its kernels, and the two directions of
-    copies with each other): each kind's busy time (the union of its intervals), the span from the first to the
-    last, and the host's time in the runtime calls that wait for the device."""
+    copies with each other): each kind's busy time (the union of its intervals), the time both directions of copies
+    ran at once and kernels ran beside copies, the span from the first to the last, and the host's time in the
+    runtime calls that wait for the device. The step's own range, which the profiler also draws on the device's
+    timeline (`Optimizer.step#...`), is no work: counted as kernels, it made their busy time the whole span."""
     busy: dict[str, list[tuple[float, float]]] = {kind: [] for kind in (*_DEVICE_KINDS.values(), "kernels")}
     waits = {name: 0.0 for name in _HOST_WAITS}
     for event in events:
         interval = (event.time_range.start, event.time_range.end)
         if event.name in waits:
             waits[event.name] += interval[1] - interval[0]
-        elif event.device_type == torch.autograd.DeviceType.CUDA:
+        elif event.device_type == torch.autograd.DeviceType.CUDA and not _is_range(event):
             kind = next((kind for key, kind in _DEVICE_KINDS.items() if key in event.name), "kernels")
             busy[kind].append(interval)
     spans = [interval for intervals in busy.values() for interval in intervals]
@@ -137,10 +139,24 @@ def device_timeline(events) -> str:
         return "Device timeline: no device activity recorded"
     span = max(end for _, end in spans) - min(start for start, _ in spans)
     parts = [f"{kind} {_union_length(intervals) / 1e3:.2f} ms" for kind, intervals in busy.items()]
+    to_gpu, to_host, kernels = busy.values()
+    both_ways = _overlap_length(to_gpu, to_host)
+    beside_copies = _overlap_length(kernels, to_gpu + to_host)
     waited = [f"{name} {total / 1e3:.2f} ms" for name, total in waits.items() if total]
     return (f"Device timeline: busy {', '.join(parts)}, all within {span / 1e3:.2f} ms from the first to the last; "
+            f"copies both ways at once {both_ways / 1e3:.2f} ms, kernels beside copies {beside_copies / 1e3:.2f} ms; "
             f"the device busy with anything {_union_length(spans) / 1e3:.2f} ms; the host waiting in "
             f"{', '.join(waited) or 'no runtime call'}")
+
+
+def _is_range(event) -> bool:
+    """Whether a device-side event is a `record_function` range (the step's own), not work."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("Optimizer.")
+
+
+def _overlap_length(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
+    """The length both sets of intervals cover at once."""
+    return _union_length(first) + _union_length(second) - _union_length(first + second)
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
