@@ -107,8 +107,8 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     large as the largest group it serves, and a fetch into a buffer waits for the write-back of the group that used
     it before in the step; a group over the budget (3000 bytes: the first and the third) takes memory of its own at
     each step, waiting for nothing. From the second step on, nothing is laid out, only the groups without a kept
-    buffer are bound to memory, the updates get the same items as before, and the AdamW part's one-launch plan (Triton
-    under the interpreter) is the first step's. A checkpoint load replaces the state tensors (and the schedule): the
+    buffer are bound to memory (and let go of it right after their write-back), the updates get the same items as
+    before, and the AdamW part's one-launch plan (Triton under the interpreter) is the first step's. A checkpoint load replaces the state tensors (and the schedule): the
     next step lays every group out anew. Parameters and state stay bitwise those of the same steps without offload."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors in Triton kernels need the interpreter")
@@ -126,10 +126,14 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     monkeypatch.setattr(offload_module, "lay_out", counted("lay_out", offload_module.lay_out))
     monkeypatch.setattr(offload_module.LaidOut, "bind", counted("bind", offload_module.LaidOut.bind))
     monkeypatch.setattr(functional, "_launch_groups", counted("plans", functional._launch_groups))
+    events: list[str] = []
     for name in ("muon_update", "adamw_update"):
         update = getattr(offload_module, name)
         monkeypatch.setattr(offload_module, name, lambda items, *args, _update=update, **kwargs: (
-            handed.append(list(items)), _update(items, *args, **kwargs))[1])
+            handed.append(list(items)), events.append("update"), _update(items, *args, **kwargs))[2])
+    release = offload_module.LaidOut.release
+    monkeypatch.setattr(offload_module.LaidOut, "release", lambda self, unbind=False: (
+        events.append(f"release{' memory' * unbind}"), release(self, unbind))[1])
 
     def run(offload: str | None) -> tuple[list[torch.Tensor], Muon, list[dict[str, int]]]:
         params = _model_params(0)
@@ -151,7 +155,7 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     copiers: list[RecordingCopier] = []
     with recorded_offload([], copiers):
         staged_params, staged, counts = run("cpu")
-    staged_handed = handed[:]
+    staged_handed, staged_events = handed[:], events[:]
     plain_params, plain, _ = run(None)
     for staged_param, plain_param in zip(staged_params, plain_params):
         assert torch.equal(staged_param, plain_param)
@@ -165,6 +169,11 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     assert [steps[1][k] for k in kept] == [steps[0][k] for k in kept] == [steps[2][k] for k in kept]
     assert all(set(steps[step][k]).isdisjoint(steps[step - 1][k]) for k in range(4) for step in (1, 2, 3)
                if step == 3 or k not in kept)
+    # Each group lets go of its gradients, and a group over the budget of its memory, as soon as its update and
+    # write-back are issued (held to the step's end, every such group's memory would be live at once).
+    released = ["release", "release", "release", "release"] if budget is None else [
+        "release memory", "release", "release memory", "release"]
+    assert staged_events == [event for release in released for event in ("update", release)] * 4
     waits = [None, None, None, 0] if budget is None else [None] * 4
     # A load makes a new schedule (torch's load_state_dict sets the optimizer's state anew: `__setstate__`).
     assert [copier.waits for copier in copiers] == [waits * 3, waits]

@@ -315,9 +315,10 @@ class _Lane:
             slot = self._slot(position, group)
             if slot is not None:
                 freed[slot] = written
+            # Memory of the group's own goes back to the allocator now, to be reused once the write-back is done
+            # (the copier marked it in use on its streams): held to the step's end, every such group's would be live.
+            group.release(unbind=slot is None)
         self.copier.finish()
-        for position, group in enumerate(groups):
-            group.release(unbind=self._slot(position, group) is None)
 
     def _laid_out(self, position: int, stage: Stage) -> LaidOut:
         kept = self.groups[position] if position < len(self.groups) else None
@@ -383,8 +384,8 @@ class LaidOut(Generic[Item]):
             moved.grad = item.grad
 
     def release(self, unbind: bool = False) -> None:
-        """Lets go of the step's gradients (and with `unbind`, of the memory and copies, which the next step binds
-        anew)."""
+        """Lets go of the step's gradients, once the update is issued (and with `unbind`, of the memory and copies,
+        which the next step binds anew)."""
         for moved in self.staged:
             moved.grad = None
         if unbind:
