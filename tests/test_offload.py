@@ -108,8 +108,10 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     it before in the step; a group over the budget (3000 bytes: the first and the third) takes memory of its own at
     each step, waiting for nothing. From the second step on, nothing is laid out, only the groups without a kept
     buffer are bound to memory (and let go of it right after their write-back), the updates get the same items as
-    before, and the AdamW part's one-launch plan (Triton under the interpreter) is the first step's. A checkpoint load replaces the state tensors (and the schedule): the
-    next step lays every group out anew. Parameters and state stay bitwise those of the same steps without offload."""
+    before, and the AdamW part's one-launch plan (Triton under the interpreter) is the first step's. The AdamW group
+    updates and writes back on the copier's side stream. A checkpoint load replaces the state tensors (and the
+    schedule): the next step lays every group out anew. Parameters and state stay bitwise those of the same steps
+    without offload."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors in Triton kernels need the interpreter")
     functional = sys.modules[f"{optimizer.__name__}.functional"]
@@ -177,6 +179,11 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     waits = [None, None, None, 0] if budget is None else [None] * 4
     # A load makes a new schedule (torch's load_state_dict sets the optimizer's state anew: `__setstate__`).
     assert [copier.waits for copier in copiers] == [waits * 3, waits]
+    # The Muon buckets update on the compute stream, the AdamW group on the side stream, which starts each step
+    # after the compute stream's work so far.
+    sides = [("begin", True)] + [(call, aside) for aside in (False, False, False, True)
+                                 for call in ("ready", "updating", "write_back")]
+    assert [copier.sides for copier in copiers] == [sides * 3, sides]
     lane = staged._staged_updates._lanes[torch.device("cpu")]
     slots = [position % offload_module.SLOTS for position in range(4)]
     for position, group in enumerate(lane.groups):

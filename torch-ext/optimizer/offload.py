@@ -13,14 +13,17 @@ a buffer waits for the write-back of the group that used it before. The distribu
 it compute. The CUDA copier issues fetches on one side stream and write-backs on another, so that the host link
 carries both directions at once: an update waits for its fetch's event, a write-back for the update's event, and a
 fetch for nothing on the compute stream (the host memory it reads was last written back by the previous step, which
-waited for its write-backs). The device holds about SLOTS groups' state at once (four chunks' in the distributed
-pipeline), and between steps the kept buffers.
+waited for its write-backs). The AdamW part's groups update and write back on a third stream, which starts after the
+compute stream's work issued before the schedule, so that they do not wait behind the Muon part's Newton-Schulz.
+The device holds about SLOTS groups' state at once (four chunks' in the distributed pipeline), and between steps the
+kept buffers.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
@@ -99,18 +102,30 @@ class Transfer:
 
 
 class Copier(Protocol):
+    """Moves groups' state between host and device around their updates. A group's update runs on the compute stream,
+    or staged `aside` (the AdamW part's groups, whose updates are short) on a side stream, where its write-back
+    follows it: it then neither waits behind the Muon part's Newton-Schulz on the compute stream nor holds back a
+    Muon bucket's write-back."""
+
     def allocate(self, nbytes: int, device: torch.device) -> Tensor:
         """Uninitialized memory on `device` (uint8) for a group's copies, safe to fill by a fetch."""
+
+    def begin(self) -> None:
+        """Orders the side stream after the compute stream's work so far (the step's gradients and checks)."""
 
     def fetch(self, transfer: Transfer, after: Any = None) -> Any:
         """Starts copying the host side into the device side once the write-back `after` (a handle `write_back`
         returned, or None) is done reading that memory; returns a handle for `ready`."""
 
-    def ready(self, handle: Any) -> None:
-        """Orders the compute stream's next work after the fetch."""
+    def ready(self, handle: Any, aside: bool = False) -> None:
+        """Orders the next work of the stream that updates the group (with `aside`, the side stream) after the
+        fetch."""
 
-    def write_back(self, transfer: Transfer) -> Any:
-        """Starts copying the device side, updated, back into the host side once the compute stream is done with it;
+    def updating(self, aside: bool = False) -> AbstractContextManager:
+        """Where the group's update runs: on the compute stream, or with `aside` on the side stream."""
+
+    def write_back(self, transfer: Transfer, aside: bool = False) -> Any:
+        """Starts copying the device side, updated, back into the host side once the group's update is done;
         returns a handle for a later fetch into the same memory."""
 
     def finish(self) -> None:
@@ -129,21 +144,25 @@ class _Fetched:
 
 
 class CudaCopier:
-    """Copies on two side streams of the parameters' GPU, fetches on one and write-backs on the other, ordered with
-    the compute stream by events. One side stream ran the two directions one after the other: GPT-2 small's offloaded
-    step on an H100 (2026-11-26) spent 12.1 ms fetching and 12.5 ms writing back, in a 30.7 ms step. A group's
-    device copies are views of one allocation, filled and emptied by one call each (a `to` call per tensor took 7 ms
-    of that step's host time for its 242 state tensors), and by one copy each where its homes are packed too
-    (`repack_homes`: a copy per tensor was 629 `cudaMemcpyAsync` calls of an int8-state step, host-bound at 29.7 ms
-    against 12.8 ms of device work, H100, 2026-11-27)."""
+    """Copies on side streams of the parameters' GPU, fetches on one, write-backs on another, and the updates staged
+    aside with their write-backs on a third, ordered with the compute stream by events. One side stream ran the two
+    directions one after the other: GPT-2 small's offloaded step on an H100 (2026-11-26) spent 12.1 ms fetching and
+    12.5 ms writing back, in a 30.7 ms step. A group's device copies are views of one allocation, filled and emptied
+    by one call each (a `to` call per tensor took 7 ms of that step's host time for its 242 state tensors), and by one
+    copy each where its homes are packed too (`repack_homes`: a copy per tensor was 629 `cudaMemcpyAsync` calls of an
+    int8-state step, host-bound at 29.7 ms against 12.8 ms of device work, H100, 2026-11-27)."""
 
     def __init__(self, device: torch.device) -> None:
         self.fetch_stream = torch.cuda.Stream(device)
         self.write_stream = torch.cuda.Stream(device)
+        self.side_stream = torch.cuda.Stream(device)
 
     def allocate(self, nbytes: int, device: torch.device) -> Tensor:
         with torch.cuda.stream(self.fetch_stream):  # the stream that writes it first
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def begin(self) -> None:
+        self.side_stream.wait_event(self._compute().record_event())
 
     def fetch(self, transfer: Transfer, after: torch.cuda.Event | None = None) -> _Fetched:
         if after is not None:
@@ -152,20 +171,33 @@ class CudaCopier:
             copy_all(transfer.device_side, transfer.host_side)
             return _Fetched(transfer.memory, self.fetch_stream.record_event())
 
-    def ready(self, handle: _Fetched) -> None:
-        compute = torch.cuda.current_stream(self.fetch_stream.device)
-        compute.wait_event(handle.event)
-        handle.memory.record_stream(compute)  # allocated on the fetch stream, used on the compute stream
+    def ready(self, handle: _Fetched, aside: bool = False) -> None:
+        stream = self.side_stream if aside else self._compute()
+        stream.wait_event(handle.event)
+        handle.memory.record_stream(stream)  # allocated on the fetch stream, used on this one
 
-    def write_back(self, transfer: Transfer) -> torch.cuda.Event:
-        self.write_stream.wait_event(torch.cuda.current_stream(self.write_stream.device).record_event())
-        transfer.memory.record_stream(self.write_stream)
-        with torch.cuda.stream(self.write_stream):
+    def updating(self, aside: bool = False) -> AbstractContextManager:
+        return torch.cuda.stream(self.side_stream) if aside else nullcontext()
+
+    def write_back(self, transfer: Transfer, aside: bool = False) -> torch.cuda.Event:
+        if aside:  # after the update, on its stream
+            stream = self.side_stream
+        else:
+            stream = self.write_stream
+            stream.wait_event(self._compute().record_event())
+            transfer.memory.record_stream(stream)
+        with torch.cuda.stream(stream):
             copy_all(transfer.host_side, transfer.device_side)
-            return self.write_stream.record_event()
+            return stream.record_event()
 
     def finish(self) -> None:
-        self.write_stream.synchronize()  # the host may read the state as soon as step() returns
+        # The host may read the state as soon as step() returns, and the next step's work may touch what the
+        # updates staged aside wrote.
+        self.write_stream.synchronize()
+        self.side_stream.synchronize()
+
+    def _compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.fetch_stream.device)
 
 
 def _layout(tensors: Sequence[Tensor]) -> tuple[list[int], int]:
@@ -252,6 +284,7 @@ class Stage(Generic[Item]):
     items: list[Item]
     update: Callable[[list[Item]], None]
     repack: bool  # whether the items hold the optimizer's own state tensors, so that `repack_homes` may move them
+    aside: bool  # whether the update runs on the copier's side stream (`Copier`)
 
 
 class StagedUpdates:
@@ -265,9 +298,9 @@ class StagedUpdates:
         self._stages: dict[torch.device, list[Stage]] = {}
         self._lanes: dict[torch.device, _Lane] = {}
 
-    def add(self, device: torch.device, group: list[Item], update: Callable[[list[Item]], None],
-            repack: bool) -> None:
-        self._stages.setdefault(device, []).append(Stage(group, update, repack))
+    def add(self, device: torch.device, group: list[Item], update: Callable[[list[Item]], None], repack: bool,
+            aside: bool = False) -> None:
+        self._stages.setdefault(device, []).append(Stage(group, update, repack, aside))
 
     def run(self) -> None:
         """Each device's stages in the order added, the next one's state fetched while one updates; returns once
@@ -302,16 +335,18 @@ class _Lane:
         self._bind(groups)
         self.groups = groups
         freed: list[Any] = [None] * SLOTS  # each buffer's last write-back in this step
+        self.copier.begin()
         handle = self.copier.fetch(groups[0].transfer)
         for position, (stage, group) in enumerate(zip(stages, groups)):
-            self.copier.ready(handle)
+            self.copier.ready(handle, stage.aside)
             group.refresh()
             if position + 1 < len(groups):
                 following = self._slot(position + 1, groups[position + 1])
                 handle = self.copier.fetch(groups[position + 1].transfer,
                                            None if following is None else freed[following])
-            stage.update(group.staged)
-            written = self.copier.write_back(group.transfer)
+            with self.copier.updating(stage.aside):
+                stage.update(group.staged)
+            written = self.copier.write_back(group.transfer, stage.aside)
             slot = self._slot(position, group)
             if slot is not None:
                 freed[slot] = written
@@ -454,9 +489,13 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
                         schedule: StagedUpdates | None = None, **settings: Any) -> None:
     """`adamw_update` of one device's items (found_inf None: their gradients not checked yet), or where the optimizer
     offloads state and theirs is offloaded, a group of parameters at a time (`adamw_groups`) added to `schedule`, as
-    `staged_muon_update` adds buckets. Without offload nothing is asked of the items: GPT-2 small's 97 AdamW tensors
-    at 1/96 width took 1.28x fused AdamW's step time while each step asked where their state lived, 1.19x since (with
-    `_moment_form` answering the default first; 2-core AMD EPYC, three runs of each alternated)."""
+    `staged_muon_update` adds buckets, to update aside (`Copier`): on the compute stream, behind the Muon part's
+    Newton-Schulz, the groups' updates, and so their write-backs, came after all of it, alone on the host link at the
+    step's end (in a model of the streams at an H100's copy rates, GPT-2 small's offloaded step 8.1 -> 6.8 ms of
+    device time with int8 state, 19.5 -> 16.1 with float32; not measured). Without offload nothing is asked of the
+    items: GPT-2 small's 97 AdamW tensors at 1/96 width took 1.28x fused AdamW's step time while each step asked where
+    their state lived, 1.19x since (with `_moment_form` answering the default first; 2-core AMD EPYC, three runs of
+    each alternated)."""
     if schedule is None or not any_offloaded(items):
         adamw_update(items, found_inf, **settings)
         return
@@ -470,7 +509,7 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
                          **rates.settings_for([items[index] for index in parameters], settings))
         pieces = [piece for _, piece in group]
         whole = all(piece is items[index] for index, piece in group)  # a piece's state tensors are views
-        schedule.add(items[0].param.device, pieces, update, repack=whole)
+        schedule.add(items[0].param.device, pieces, update, repack=whole, aside=True)
 
 
 def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[tuple[int, AdamWTensors]]]:
