@@ -491,11 +491,11 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
     offloads state and theirs is offloaded, a group of parameters at a time (`adamw_groups`) added to `schedule`, as
     `staged_muon_update` adds buckets, to update aside (`Copier`): on the compute stream, behind the Muon part's
     Newton-Schulz, the groups' updates, and so their write-backs, came after all of it, alone on the host link at the
-    step's end (in a model of the streams at an H100's copy rates, GPT-2 small's offloaded step 8.1 -> 6.8 ms of
-    device time with int8 state, 19.5 -> 16.1 with float32; not measured). Without offload nothing is asked of the
-    items: GPT-2 small's 97 AdamW tensors at 1/96 width took 1.28x fused AdamW's step time while each step asked where
-    their state lived, 1.19x since (with `_moment_form` answering the default first; 2-core AMD EPYC, three runs of
-    each alternated)."""
+    step's end (`benchmarks/offload_model.py`, a model of the streams at an H100's copy rates: GPT-2 small's
+    offloaded step 8.1 -> 6.9 ms of device time with int8 state, 19.5 -> 16.4 with float32; not measured). Without
+    offload nothing is asked of the items: GPT-2 small's 97 AdamW tensors at 1/96 width took 1.28x fused AdamW's step
+    time while each step asked where their state lived, 1.19x since (with `_moment_form` answering the default first;
+    2-core AMD EPYC, three runs of each alternated)."""
     if schedule is None or not any_offloaded(items):
         adamw_update(items, found_inf, **settings)
         return
