@@ -136,6 +136,9 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     release = offload_module.LaidOut.release
     monkeypatch.setattr(offload_module.LaidOut, "release", lambda self, unbind=False: (
         events.append(f"release{' memory' * unbind}"), release(self, unbind))[1])
+    allocate = RecordingCopier.allocate
+    monkeypatch.setattr(RecordingCopier, "allocate", lambda self, nbytes, device: (
+        events.append("allocate"), allocate(self, nbytes, device))[1])
 
     def run(offload: str | None) -> tuple[list[torch.Tensor], Muon, list[dict[str, int]]]:
         params = _model_params(0)
@@ -171,11 +174,17 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     assert [steps[1][k] for k in kept] == [steps[0][k] for k in kept] == [steps[2][k] for k in kept]
     assert all(set(steps[step][k]).isdisjoint(steps[step - 1][k]) for k in range(4) for step in (1, 2, 3)
                if step == 3 or k not in kept)
-    # Each group lets go of its gradients, and a group over the budget of its memory, as soon as its update and
-    # write-back are issued (held to the step's end, every such group's memory would be live at once).
-    released = ["release", "release", "release", "release"] if budget is None else [
-        "release memory", "release", "release memory", "release"]
-    assert staged_events == [event for release in released for event in ("update", release)] * 4
+    # A group over the budget takes its memory just before its fetch (the group before it updates after that) and
+    # lets go of it as soon as its update and write-back are issued, so that no two such groups' memory need be live
+    # at once; every group lets go of its gradients then. The first step (and the first after the load) allocates
+    # the kept buffers first, one per slot that serves a group.
+    if budget is None:
+        kept_buffers, per_step = 3, ["update", "release"] * 4
+    else:
+        kept_buffers, per_step = 2, ["allocate", "update", "release memory", "allocate", "update", "release",
+                                     "update", "release memory", "update", "release"]
+    first = ["allocate"] * kept_buffers + per_step
+    assert staged_events == first + per_step * 2 + first
     waits = [None, None, None, 0] if budget is None else [None] * 4
     # A load makes a new schedule (torch's load_state_dict sets the optimizer's state anew: `__setstate__`).
     assert [copier.waits for copier in copiers] == [waits * 3, waits]
@@ -187,9 +196,9 @@ def test_later_steps_keep_each_groups_layout_copies_and_launch_plan_in_buffers_k
     lane = staged._staged_updates._lanes[torch.device("cpu")]
     slots = [position % offload_module.SLOTS for position in range(4)]
     for position, group in enumerate(lane.groups):
-        assert (group.memory is lane.buffers[slots[position]]) == (position in kept)
+        assert (group.memory is not None and group.memory is lane.buffers[slots[position]]) == (position in kept)
     sizes = [group.nbytes for group in lane.groups]
-    assert [buffer.numel() for buffer in lane.buffers] == [
+    assert [0 if buffer is None else buffer.numel() for buffer in lane.buffers] == [
         max([size for size, slot, position in zip(sizes, slots, range(4)) if slot == buffer and position in kept],
             default=0) for buffer in range(offload_module.SLOTS)]
 

@@ -332,18 +332,16 @@ class _Lane:
         """The stages' updates, each group's state fetched before the group before it updates, and written back
         after its own update."""
         groups = [self._laid_out(position, stage) for position, stage in enumerate(stages)]
-        self._bind(groups)
+        self._bind_kept(groups)
         self.groups = groups
         freed: list[Any] = [None] * SLOTS  # each buffer's last write-back in this step
         self.copier.begin()
-        handle = self.copier.fetch(groups[0].transfer)
+        handle = self._fetch(0, groups[0], freed)
         for position, (stage, group) in enumerate(zip(stages, groups)):
             self.copier.ready(handle, stage.aside)
             group.refresh()
             if position + 1 < len(groups):
-                following = self._slot(position + 1, groups[position + 1])
-                handle = self.copier.fetch(groups[position + 1].transfer,
-                                           None if following is None else freed[following])
+                handle = self._fetch(position + 1, groups[position + 1], freed)
             with self.copier.updating(stage.aside):
                 stage.update(group.staged)
             written = self.copier.write_back(group.transfer, stage.aside)
@@ -363,24 +361,27 @@ class _Lane:
     def _slot(position: int, group: LaidOut) -> int | None:
         return position % SLOTS if group.nbytes <= GROUP_BYTES else None
 
-    def _bind(self, groups: Sequence[LaidOut]) -> None:
+    def _bind_kept(self, groups: Sequence[LaidOut]) -> None:
         """Grows each buffer to the largest group it serves (the groups cut from it before are cut again), and binds
-        each group not bound to its memory."""
-        needed = [0] * SLOTS
-        for position, group in enumerate(groups):
-            slot = self._slot(position, group)
-            if slot is not None:
-                needed[slot] = max(needed[slot], group.nbytes)
-        for slot, nbytes in enumerate(needed):
+        each group it serves that is not bound to it."""
+        served = [(group, slot) for position, group in enumerate(groups)
+                  if (slot := self._slot(position, group)) is not None]
+        for slot in range(SLOTS):
+            nbytes = max((group.nbytes for group, served_by in served if served_by == slot), default=0)
             buffer = self.buffers[slot]
-            if buffer is None or buffer.numel() < nbytes:
+            if nbytes and (buffer is None or buffer.numel() < nbytes):
                 self.buffers[slot] = self.copier.allocate(nbytes, self.device)
-        for position, group in enumerate(groups):
-            slot = self._slot(position, group)
-            if slot is None:
-                group.bind(self.copier.allocate(group.nbytes, self.device))
-            elif group.memory is not self.buffers[slot]:
+        for group, slot in served:
+            if group.memory is not self.buffers[slot]:
                 group.bind(self.buffers[slot])
+
+    def _fetch(self, position: int, group: LaidOut, freed: Sequence[Any]) -> Any:
+        """Starts the group's fetch: into its kept buffer once the group that used the buffer before is written back,
+        or into memory of its own, taken now (taken for all groups at once, it would all be live at once)."""
+        slot = self._slot(position, group)
+        if slot is None:
+            group.bind(self.copier.allocate(group.nbytes, self.device))
+        return self.copier.fetch(group.transfer, None if slot is None else freed[slot])
 
 
 @dataclass
