@@ -77,10 +77,11 @@ class ClockCopier:
         return sum(tensor.nbytes for tensor in transfer.host_side) / self.rates.link_bytes_per_ms
 
 
-def step_ms(optimizer, state_dtype: str | None, aside: bool, rates: Rates) -> float:
-    """The modelled device time of one offloaded step of GPT-2 small's set (the step after the one that makes the
-    state), its AdamW groups updated aside or on the compute stream."""
-    import bench  # noqa: PLC0415 (the step benchmark's shapes)
+def step_ms(optimizer, params: tuple[list[torch.Tensor], list[torch.Tensor]], state_dtype: str | None, aside: bool,
+            rates: Rates) -> float:
+    """The modelled device time of one offloaded step of GPT-2 small's set (`params`: its matrices and its AdamW
+    tensors; the step after the one that makes the state), its AdamW groups updated aside or on the compute stream."""
+    import bench  # noqa: PLC0415 (the step benchmark's FLOP count)
 
     offload = sys.modules[f"{optimizer.__name__}.offload"]
     functional = sys.modules[f"{optimizer.__name__}.functional"]
@@ -102,8 +103,7 @@ def step_ms(optimizer, state_dtype: str | None, aside: bool, rates: Rates) -> fl
 
     def add_where_wanted(self, device, group, update, repack, aside=False) -> None:
         add(self, device, group, update, repack, aside and wanted)
-    matrices, vectors = bench._step_params(torch.device("cpu"), bench.GPT2_SMALL_BLOCK, bench.GPT2_SMALL_VECTORS,
-                                           bench.GPT2_BLOCKS, [bench.GPT2_EMBEDDING])
+    matrices, vectors = params
     patches = [mock.patch.object(offload, "offloaded", lambda item: True),
                mock.patch.object(offload, "any_offloaded", lambda items: bool(items)),
                mock.patch.object(offload, "CudaCopier", lambda device: copier),
@@ -140,10 +140,13 @@ def main() -> None:
     block_flop = sum(bench.newton_schulz_flop(rows, cols, 5) for rows, cols in bench.GPT2_SMALL_BLOCK)
     total_flop = block_flop * bench.GPT2_BLOCKS
     rates = Rates(args.link_gbs * 1e6, args.memory_gbs * 1e6, args.newton_schulz_ms / total_flop)
+    # Made once: the optimizers only read them (their updates are the model's).
+    params = bench._step_params(torch.device("cpu"), bench.GPT2_SMALL_BLOCK, bench.GPT2_SMALL_VECTORS,
+                                bench.GPT2_BLOCKS, [bench.GPT2_EMBEDDING])
     print(f"model: host link {args.link_gbs} GB/s each way, Newton-Schulz {args.newton_schulz_ms} ms, "
           f"memory {args.memory_gbs} GB/s (model figures, not measurements)")
     for state_dtype in (None, "int8"):
-        times = {aside: step_ms(optimizer, state_dtype, aside, rates) for aside in (False, True)}
+        times = {aside: step_ms(optimizer, params, state_dtype, aside, rates) for aside in (False, True)}
         print(f"state_dtype={state_dtype!r}: AdamW groups on the compute stream {times[False]:.2f} ms, "
               f"aside {times[True]:.2f} ms of device time")
 
