@@ -236,10 +236,13 @@ def test_adamw_groups_fill_the_byte_budget_in_order_and_cut_a_larger_parameter_i
 def test_an_adamw_parameter_staged_in_pieces_steps_and_counts_as_one_staged_whole(monkeypatch, state_dtype,
                                                                                    kernels) -> None:
     """A vector of 1000 entries with a budget of 2 KiB of moments: four pieces of 256 entries (float32 moments), or
-    whole (bfloat16 moments are stored rounded). Three steps, the second's gradient holding a NaN: parameter and state
-    bitwise those of the same steps without offload, the step count moved twice and the skip count once. On the
-    CPU's compiled op, and on the one-launch Triton kernels a GPU runs (here under the interpreter), whose tables
-    then address the pieces as views into their parameter's tensors."""
+    whole (bfloat16 moments are stored rounded). Five steps, the second's gradient holding a NaN, the step count
+    moved in place by the caller before the fourth, and the parameter's memory replaced (`param.data`) before the
+    fifth: parameter and state bitwise those of the same steps without offload, the step count moved four times (and
+    by the caller) and the skip count once. The pieces are cut once and handed to the updates again at the next
+    steps, each with its slice of the new gradient and the counts as they are now, until the memory they view is
+    replaced. On the CPU's compiled op, and on the one-launch Triton kernels a GPU runs (here under the
+    interpreter), whose tables then address the pieces as views into their parameter's tensors."""
     if kernels == "one Triton launch":
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("CPU tensors in Triton kernels need the interpreter")
@@ -248,29 +251,41 @@ def test_an_adamw_parameter_staged_in_pieces_steps_and_counts_as_one_staged_whol
         monkeypatch.setattr(functional, "_one_launch_failed", set())  # filled only by a kernel that fails
     log: list[str] = []
     monkeypatch.setattr(offload_module, "GROUP_BYTES", 2048)
+    handed: list[list] = []  # each update's items (kept alive, so that no id is used twice)
+    update = offload_module.adamw_update
+    monkeypatch.setattr(offload_module, "adamw_update", lambda items, *args, **kwargs: (
+        handed.append(list(items)), update(items, *args, **kwargs))[1])
 
     def run(offload: str | None) -> tuple[torch.Tensor, Muon]:
         param = torch.randn(1000, generator=torch.Generator().manual_seed(0)).requires_grad_()
         opt = Muon([param], lr=0.02, weight_decay=0.1, state_dtype=state_dtype)
         opt.offload = offload  # set after construction: on CPU parameters the constructor only warns
         generator = torch.Generator().manual_seed(1)
-        for step in range(3):
+        for step in range(5):
             param.grad = torch.randn(1000, generator=generator)
             if step == 1:
                 param.grad[700] = math.nan
+            if step == 3:
+                opt.state[param]["step"].add_(5)
+            if step == 4:
+                param.data = param.data.clone()
             opt.step()
         return param, opt
 
     with recorded_offload(log):
         staged_param, staged = run("cpu")
+    staged_handed = [[id(piece) for piece in items] for items in handed]
     plain_param, plain = run(None)
     assert torch.equal(staged_param, plain_param)
     for key, value in plain.state[plain_param].items():
         assert torch.equal(staged.state[staged_param][key], value), key
-    assert staged.state[staged_param]["step"].item() == 2 and staged.nonfinite_skips() == 1
+    assert staged.state[staged_param]["step"].item() == 9 and staged.nonfinite_skips() == 1
     pieces = 4 if state_dtype is None else 1
     schedule = ["fetch", "ready"] + ["fetch", "write_back", "ready"] * (pieces - 1) + ["write_back", "finish"]
-    assert log == schedule * 3
+    assert log == schedule * 5
+    steps = [sum(staged_handed[step * pieces:(step + 1) * pieces], []) for step in range(5)]
+    if state_dtype is None:
+        assert steps[0] == steps[1] == steps[2] == steps[3] and set(steps[4]).isdisjoint(steps[3])
 
 
 @pytest.mark.parametrize("kind", ["muon", "adamw"])

@@ -6,8 +6,8 @@ optimizer keeps from step to step), written against a `Copier` so that it runs, 
     fetch(0); fetch(1); update(0); write back(0); fetch(2); update(1); write back(1); ...
 so that the AdamW part's first fetch overlaps the Muon part's last update and the host waits for the write-backs
 once. Group k's device copies are cut from buffer k % SLOTS of a few kept between steps (`_Lane`), and each group's
-layout, copies and the items holding them are kept too while its items are the same objects: a later step repeats
-only the copies and the update, whose AdamW launch plans (`launch_plans`) then find the same items again. A fetch into
+layout, copies and the items holding them are kept too while its items are the same objects (a parameter cut into
+pieces keeps its pieces, `StagedUpdates.pieces`): a later step repeats only the copies and the update, whose AdamW launch plans (`launch_plans`) then find the same items again. A fetch into
 a buffer waits for the write-back of the group that used it before. The distributed pipeline stages its chunks with
 `start_fetch` / `staged` / `Copier.write_back` on memory of their own, a chunk's fetch issued while the chunks before
 it compute. The CUDA copier issues fetches on one side stream and write-backs on another, so that the host link
@@ -297,15 +297,34 @@ class StagedUpdates:
     def __init__(self) -> None:
         self._stages: dict[torch.device, list[Stage]] = {}
         self._lanes: dict[torch.device, _Lane] = {}
+        self._cuts: dict[int, _Cut] = {}  # the AdamW items the last step cut into pieces, by id
+        self._cuts_now: dict[int, _Cut] = {}  # and those this step has cut so far
 
     def add(self, device: torch.device, group: list[Item], update: Callable[[list[Item]], None], repack: bool,
             aside: bool = False) -> None:
         self._stages.setdefault(device, []).append(Stage(group, update, repack, aside))
 
+    def pieces(self, item: AdamWTensors, budget: int) -> list[AdamWTensors]:
+        """`_pieces(item, budget)`, and the same pieces as at the step before while the item is the same object (held
+        from step to step: `muon._HeldItems`) over the same memory, each with its slice of the gradient now: new
+        pieces at each step were laid out, bound and given a launch plan anew (GPT-2 small's embedding: ten pieces,
+        ~0.7 ms of the offloaded step's host time, 2-core AMD EPYC)."""
+        cut = self._cuts.get(id(item))
+        if cut is not None and cut.holds(item, budget):
+            cut.refresh()
+        else:
+            pieces = _pieces(item, budget)
+            if pieces[0] is item:  # it stays whole
+                return pieces
+            cut = _Cut(item, _addresses(item), budget, pieces)
+        self._cuts_now[id(item)] = cut
+        return cut.pieces
+
     def run(self) -> None:
         """Each device's stages in the order added, the next one's state fetched while one updates; returns once
         every write-back is in host memory."""
         stages, self._stages = self._stages, {}
+        self._cuts, self._cuts_now = self._cuts_now, {}
         for device, device_stages in stages.items():
             lane = self._lanes.get(device)
             if lane is None:
@@ -503,7 +522,7 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
     if found_inf is None:
         found_inf = nonfinite_flags([item.grad for item in items])
     rates = Rates(items, settings["lr"], settings["weight_decay"])
-    for group in adamw_groups(items, GROUP_BYTES):
+    for group in adamw_groups(items, GROUP_BYTES, schedule.pieces):
         parameters = [index for index, _ in group]
         # Each group's lrs and weight decays, found by its parameters' items before their state is staged.
         update = partial(adamw_update, found_inf=picked(found_inf, parameters),
@@ -513,17 +532,20 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
         schedule.add(items[0].param.device, pieces, update, repack=whole, aside=True)
 
 
-def adamw_groups(items: Sequence[AdamWTensors], budget: int) -> list[list[tuple[int, AdamWTensors]]]:
+def adamw_groups(items: Sequence[AdamWTensors], budget: int,
+                 cut: Callable[[AdamWTensors, int], list[AdamWTensors]] | None = None
+                 ) -> list[list[tuple[int, AdamWTensors]]]:
     """Consecutive parameters whose offloaded state adds up to at most `budget` bytes per group, a parameter with
-    more cut into pieces that fit (`_pieces`), or where it cannot be cut, alone; each item (a parameter or a piece)
-    with its parameter's index in `items`. The device holds up to SLOTS groups' state at once, and each group costs
+    more cut into pieces that fit (`cut`: `_pieces` or a schedule's `StagedUpdates.pieces`), or where it cannot be
+    cut, alone; each item (a parameter or a piece) with its parameter's index in `items`. The device holds up to SLOTS groups' state at once, and each group costs
     its copies' and its update's launches (GPT-2 small's 97 AdamW tensors one at a time: ~2000 operator calls, 5.2x the
     on-GPU step on an H200)."""
+    cut = cut or _pieces
     groups: list[list[tuple[int, AdamWTensors]]] = []
     total = 0
     for index, item in enumerate(items):
         whole = _state_bytes(item)
-        for piece in [item] if whole <= budget else _pieces(item, budget):
+        for piece in [item] if whole <= budget else cut(item, budget):
             size = whole if piece is item else _state_bytes(piece)
             if not groups or total + size > budget:
                 groups.append([])
@@ -540,18 +562,15 @@ PIECE_ALIGNMENT = 256
 
 def _pieces(item: AdamWTensors, budget: int) -> list[AdamWTensors]:
     """A parameter whose state takes more than `budget` bytes: whole where it cannot be cut, else in pieces of
-    consecutive entries whose moments take at most `budget` bytes (PIECE_ALIGNMENT entries at least): AdamW's update is
-    elementwise. The pieces but the last hold copies of the step and skip counts, which their updates move and the
-    step drops, so that every piece reads the counts as they were before the step and they move once. Moments
-    stored rounded stay whole (each entry's random bits depend on its index in the whole tensor), as do tensors
-    that are not contiguous. GPT-2 small's token embedding: 309 MB of float32 moments, alone they made the step's
-    largest fetch and its write-back, with nothing to overlap them, and most of its peak GPU memory."""
-    tensors = (item.param, item.grad, item.exp_avg, item.exp_avg_sq)
-    if item.rounding_count is not None or not all(tensor.is_contiguous() for tensor in tensors):
+    consecutive entries whose moments take at most `budget` bytes (PIECE_ALIGNMENT entries at least,
+    `_piece_entries`): AdamW's update is elementwise. The pieces but the last hold copies of the step and skip counts,
+    which their updates move and the step drops, so that every piece reads the counts as they were before the step
+    and they move once. GPT-2 small's token embedding: 309 MB of float32 moments, alone they made the step's largest
+    fetch and its write-back, with nothing to overlap them, and most of its peak GPU memory."""
+    entries = _piece_entries(item, budget)
+    if entries is None:
         return [item]
-    entry_bytes = item.exp_avg.element_size() + item.exp_avg_sq.element_size()
-    entries = max(budget // entry_bytes // PIECE_ALIGNMENT, 1) * PIECE_ALIGNMENT
-    flat = [tensor.view(-1) for tensor in tensors]
+    flat = [tensor.view(-1) for tensor in (item.param, item.grad, item.exp_avg, item.exp_avg_sq)]
     numel = item.param.numel()
     pieces = []
     for start in range(0, numel, entries):
@@ -559,6 +578,49 @@ def _pieces(item: AdamWTensors, budget: int) -> list[AdamWTensors]:
         counts = (item.step, item.nonfinite_skips) if last else (item.step.clone(), item.nonfinite_skips.clone())
         pieces.append(AdamWTensors(*(tensor[start:start + entries] for tensor in flat), *counts))
     return pieces
+
+
+def _piece_entries(item: AdamWTensors, budget: int) -> int | None:
+    """The entries of each of a parameter's pieces (`_pieces`), or None where it stays whole: moments stored rounded
+    (each entry's random bits depend on its index in the whole tensor), and tensors that are not contiguous."""
+    tensors = (item.param, item.grad, item.exp_avg, item.exp_avg_sq)
+    if item.rounding_count is not None or not all(tensor.is_contiguous() for tensor in tensors):
+        return None
+    entry_bytes = item.exp_avg.element_size() + item.exp_avg_sq.element_size()
+    return max(budget // entry_bytes // PIECE_ALIGNMENT, 1) * PIECE_ALIGNMENT
+
+
+def _addresses(item: AdamWTensors) -> tuple[int, int, int]:
+    """Where the memory a parameter's pieces are views of lies (`param.data` may be replaced)."""
+    return item.param.data_ptr(), item.exp_avg.data_ptr(), item.exp_avg_sq.data_ptr()
+
+
+@dataclass
+class _Cut:
+    """An AdamW item cut into pieces (`_pieces`), with what they were cut from: the item, its memory's addresses and
+    the budget."""
+
+    item: AdamWTensors
+    addresses: tuple[int, int, int]
+    budget: int
+    pieces: list[AdamWTensors]
+
+    def holds(self, item: AdamWTensors, budget: int) -> bool:
+        """Whether the pieces are still views of this item's memory as `_pieces` would cut it, its new gradient too."""
+        return (item is self.item and budget == self.budget and item.grad.is_contiguous()
+                and _addresses(item) == self.addresses)
+
+    def refresh(self) -> None:
+        """The pieces with their slices of the item's gradient now, and the copies of the counts that all but the
+        last hold with the counts' values now (a caller may have changed them in place), in one call."""
+        entries = self.pieces[0].param.numel()
+        flat = self.item.grad.view(-1)
+        for index, piece in enumerate(self.pieces):
+            piece.grad = flat[index * entries:(index + 1) * entries]
+        copies = self.pieces[:-1]
+        if copies:  # the foreach op refuses empty lists
+            torch._foreach_copy_([count for piece in copies for count in (piece.step, piece.nonfinite_skips)],
+                                 [self.item.step, self.item.nonfinite_skips] * len(copies))
 
 
 def _state_bytes(item: AdamWTensors) -> int:
