@@ -239,7 +239,7 @@ def _momentum_into(buckets: Sequence[list[MuonTensors]], stacks: Sequence[Tensor
     for bucket, matrices in zip(buckets, stacks):
         offset = 0
         for item in bucket:
-            target = matrices[offset:offset + item.view.batch]
+            target = matrices if len(bucket) == 1 else matrices[offset:offset + item.view.batch]
             offset += item.view.batch
             if item.view.spatial_batched:  # not a view of the stack: fill a temporary, then permute it in
                 temp = torch.empty(item.param.shape, dtype=matrices.dtype, device=matrices.device)
@@ -264,6 +264,9 @@ def _stacks(buckets: Sequence[list[MuonTensors]], workspace: Workspace, orthogon
     stacks: list[Tensor] = [None] * len(buckets)  # type: ignore[list-item] (each filled below)
     for dtype in dict.fromkeys(dtypes):
         members = [index for index, other in enumerate(dtypes) if other == dtype]
+        if len(members) == 1:  # the block at its shape: no split, no view (a lone matrix's step is host-bound)
+            stacks[members[0]] = workspace.tensor(f"stack {dtype}", shapes[members[0]], dtype, device)
+            continue
         sizes = [math.prod(shapes[index]) for index in members]
         block = workspace.tensor(f"stack {dtype}", (sum(sizes),), dtype, device)
         for index, part in zip(members, block.split(sizes)):
@@ -295,8 +298,9 @@ def muon_update(items: Sequence[MuonTensors], *, lr: LearningRate | Sequence[flo
         ns_workspace = workspace if len(round_buckets) == 1 else None
         updates: list[Tensor] = []
         for bucket, matrices in zip(round_buckets, stacks):
-            orthogonal = orthogonalizer(matrices, ns_workspace).split([item.view.batch for item in bucket])
-            updates += [item.view.from_matrices(part, item.param.shape) for item, part in zip(bucket, orthogonal)]
+            orthogonal = orthogonalizer(matrices, ns_workspace)
+            parts = orthogonal.split([item.view.batch for item in bucket]) if len(bucket) > 1 else (orthogonal,)
+            updates += [item.view.from_matrices(part, item.param.shape) for item, part in zip(bucket, parts)]
         params = [item.param for item in round_items]
         skipped = finite.eq(0)
         torch._foreach_add_([item.nonfinite_skips for item in round_items], skipped.to(torch.int64).unbind())
