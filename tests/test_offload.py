@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -241,8 +242,9 @@ def test_an_adamw_parameter_staged_in_pieces_steps_and_counts_as_one_staged_whol
     fifth: parameter and state bitwise those of the same steps without offload, the step count moved four times (and
     by the caller) and the skip count once. The pieces are cut once and handed to the updates again at the next
     steps, each with its slice of the new gradient and the counts as they are now, until the memory they view is
-    replaced. On the CPU's compiled op, and on the one-launch Triton kernels a GPU runs (here under the
-    interpreter), whose tables then address the pieces as views into their parameter's tensors."""
+    replaced; between steps no piece holds on to the step's gradient (`zero_grad` may free it). On the CPU's compiled
+    op, and on the one-launch Triton kernels a GPU runs (here under the interpreter), whose tables then address the
+    pieces as views into their parameter's tensors."""
     if kernels == "one Triton launch":
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("CPU tensors in Triton kernels need the interpreter")
@@ -270,6 +272,9 @@ def test_an_adamw_parameter_staged_in_pieces_steps_and_counts_as_one_staged_whol
             if step == 4:
                 param.data = param.data.clone()
             opt.step()
+            gradient = weakref.ref(param.grad)
+            param.grad = None
+            assert gradient() is None, f"step {step}: the gradient outlives zero_grad"
         return param, opt
 
     with recorded_offload(log):

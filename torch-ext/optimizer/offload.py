@@ -4,19 +4,19 @@ parameters at a time, the next group's copy in flight while the current one comp
 A step's Muon buckets and AdamW parameter groups go through one schedule per device (`StagedUpdates`, which the
 optimizer keeps from step to step), written against a `Copier` so that it runs, and is tested, without a GPU:
     fetch(0); fetch(1); update(0); write back(0); fetch(2); update(1); write back(1); ...
-so that the AdamW part's first fetch overlaps the Muon part's last update and the host waits for the write-backs
-once. Group k's device copies are cut from buffer k % SLOTS of a few kept between steps (`_Lane`), and each group's
-layout, copies and the items holding them are kept too while its items are the same objects (a parameter cut into
-pieces keeps its pieces, `StagedUpdates.pieces`): a later step repeats only the copies and the update, whose AdamW launch plans (`launch_plans`) then find the same items again. A fetch into
-a buffer waits for the write-back of the group that used it before. The distributed pipeline stages its chunks with
-`start_fetch` / `staged` / `Copier.write_back` on memory of their own, a chunk's fetch issued while the chunks before
-it compute. The CUDA copier issues fetches on one side stream and write-backs on another, so that the host link
-carries both directions at once: an update waits for its fetch's event, a write-back for the update's event, and a
-fetch for nothing on the compute stream (the host memory it reads was last written back by the previous step, which
-waited for its write-backs). The AdamW part's groups update and write back on a third stream, which starts after the
-compute stream's work issued before the schedule, so that they do not wait behind the Muon part's Newton-Schulz.
-The device holds about SLOTS groups' state at once (four chunks' in the distributed pipeline), and between steps the
-kept buffers.
+so that the AdamW part's first fetch overlaps the Muon part's last update and the host waits for the write-backs once.
+Group k's device copies are cut from buffer k % SLOTS of a few kept between steps (`_Lane`), and each group's layout,
+copies and the items holding them are kept too while its items are the same objects (a parameter cut into pieces keeps
+its pieces, `StagedUpdates.pieces`): a later step repeats only the copies and the update, whose AdamW launch plans
+(`launch_plans`) then find the same items again. A fetch into a buffer waits for the write-back of the group that used
+it before. The distributed pipeline stages its chunks with `start_fetch` / `staged` / `Copier.write_back` on memory of
+their own, a chunk's fetch issued while the chunks before it compute. The CUDA copier issues fetches on one side stream
+and write-backs on another, so that the host link carries both directions at once: an update waits for its fetch's
+event, a write-back for the update's event, and a fetch for nothing on the compute stream (the host memory it reads was
+last written back by the previous step, which waited for its write-backs). The AdamW part's groups update and write back
+on a third stream, which starts after the compute stream's work issued before the schedule, so that they do not wait
+behind the Muon part's Newton-Schulz. The device holds about SLOTS groups' state at once (four chunks' in the
+distributed pipeline), and between steps the kept buffers.
 """
 
 from __future__ import annotations
@@ -330,6 +330,8 @@ class StagedUpdates:
             if lane is None:
                 lane = self._lanes[device] = _Lane(CudaCopier(device), device)
             lane.run(device_stages)
+        for cut in self._cuts.values():  # views of the step's gradients, which `zero_grad` may free before the next
+            cut.release_gradients()
 
 
 class _Lane:
@@ -537,9 +539,9 @@ def adamw_groups(items: Sequence[AdamWTensors], budget: int,
                  ) -> list[list[tuple[int, AdamWTensors]]]:
     """Consecutive parameters whose offloaded state adds up to at most `budget` bytes per group, a parameter with
     more cut into pieces that fit (`cut`: `_pieces` or a schedule's `StagedUpdates.pieces`), or where it cannot be
-    cut, alone; each item (a parameter or a piece) with its parameter's index in `items`. The device holds up to SLOTS groups' state at once, and each group costs
-    its copies' and its update's launches (GPT-2 small's 97 AdamW tensors one at a time: ~2000 operator calls, 5.2x the
-    on-GPU step on an H200)."""
+    cut, alone; each item (a parameter or a piece) with its parameter's index in `items`. The device holds up to
+    SLOTS groups' state at once, and each group costs its copies' and its update's launches (GPT-2 small's 97 AdamW
+    tensors one at a time: ~2000 operator calls, 5.2x the on-GPU step on an H200)."""
     cut = cut or _pieces
     groups: list[list[tuple[int, AdamWTensors]]] = []
     total = 0
@@ -621,6 +623,11 @@ class _Cut:
         if copies:  # the foreach op refuses empty lists
             torch._foreach_copy_([count for piece in copies for count in (piece.step, piece.nonfinite_skips)],
                                  [self.item.step, self.item.nonfinite_skips] * len(copies))
+
+    def release_gradients(self) -> None:
+        """Let go of the step's gradient: held between steps, it would stay alive through the next backward pass."""
+        for piece in self.pieces:
+            piece.grad = None  # type: ignore[assignment]
 
 
 def _state_bytes(item: AdamWTensors) -> int:
