@@ -11,8 +11,9 @@ the optimizer's held items are made anew whenever a parameter's state changes (`
 
 The plans are kept by the parameters' addresses, a few at a time (one per call site: the AdamW tensors of each
 device and param group, each offload group), and hold weak references only: a plan never keeps a tensor alive. By
-address, not identity: an offloaded parameter's pieces are views made anew at each step, whose plan then takes the
-place of the last step's instead of pushing the others out.
+address, not identity: items made anew over the same memory (an offloaded parameter's pieces, when they are cut
+again: `offload.StagedUpdates.pieces`) find the old plan's key, and their plan takes its place instead of pushing the
+others out.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from torch import Tensor
 
 # Plans kept at once: one per call site, enough for the AdamW tensors of a model's param groups and devices and its
-# offload groups (those of whole parameters; a parameter's pieces take the place of the last step's, as above).
+# offload groups (pieces cut again over the same memory take their old plan's place, as above).
 MAX_PLANS = 32
 
 
