@@ -9,8 +9,9 @@ they are and as int8 codes (the rows that missed issue 12's targets on the H100:
 step's time; int8 offload 3.0x and 3.5x where its copies need 0.5x), on a GPU with NorMuon too (2.6x the
 default step's time on an H100, its composition of torch ops host-bound), and on the Llama
 layer also compiled (1.15x of torch's speed there, against 1.31x eager). GPT-2 small's AdamW part alone (its 97
-vectors and embedding: 0.49x of fused AdamW's speed on the H100, host-bound) is profiled too. Each step of ours also
-gets a table of its Python functions by cumulative time (cProfile over PYTHON_STEPS steps), the host work to shrink,
+vectors and embedding: 0.49x of fused AdamW's speed on the H100, host-bound) is profiled too. Each step, ours and
+torch's, also gets its count of Python calls and tables of its Python functions by cumulative and by own time
+(cProfile over PYTHON_STEPS steps): the host work to shrink, beside the baseline's,
 and on a GPU every step a line on how its device work overlapped (`device_timeline`: copies each way and kernels,
 and the host's waits), which tells an offloaded step's serialized copies from its host-bound stretches.
 
@@ -170,18 +171,25 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def python_profile(step: Callable[[], None], device: torch.device) -> list[str]:
-    """The step's Python functions by cumulative time over PYTHON_STEPS steps (cProfile, which slows each call)."""
+    """The step's Python functions over PYTHON_STEPS steps (cProfile, which slows each call), by cumulative time and
+    by their own time, and how many calls a step makes (built-in ones included): a count that, unlike a time, is the
+    same on every host, so ours and torch's compare across runs."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(PYTHON_STEPS):
         step()
     _synchronize(device)
     profiler.disable()
-    report = io.StringIO()
-    pstats.Stats(profiler, stream=report).strip_dirs().sort_stats("cumulative").print_stats(TOP)
-    body = report.getvalue()
-    return [f"Python functions by cumulative time, {PYTHON_STEPS} steps:", "", "```",
-            body[body.index("ncalls"):].rstrip(), "```"]
+    stats = pstats.Stats(profiler).strip_dirs()
+    lines = [f"Python calls per step: {stats.total_calls / PYTHON_STEPS:.0f}"]
+    for order, title in (("cumulative", "cumulative time"), ("tottime", "own time")):
+        report = io.StringIO()
+        stats.stream = report
+        stats.sort_stats(order).print_stats(TOP)
+        body = report.getvalue()
+        lines += ["", f"Python functions by {title}, {PYTHON_STEPS} steps:", "", "```",
+                  body[body.index("ncalls"):].rstrip(), "```"]
+    return lines
 
 
 def _is_operator(event) -> bool:
@@ -201,9 +209,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"# One optimizer step profiled: {name}, torch {torch.__version__}", ""]
     for label, step in _steps(optimizer, device).items():
-        lines += [f"## {label}", "", *profile_step(step, device), ""]
-        if "optimizer.Muon" in label:
-            lines += [*python_profile(step, device), ""]
+        lines += [f"## {label}", "", *profile_step(step, device), "", *python_profile(step, device), ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 
