@@ -226,8 +226,11 @@ def test_a_workspace_block_is_reused_across_shapes_and_dtypes_and_grows_when_ask
     assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (2, 8, 8) and smaller.is_contiguous()
     assert workspace.tensor("other", (4, 8, 16), torch.float32, cpu).data_ptr() != first.data_ptr()
     larger = workspace.tensor("X", (5, 8, 16), torch.float32, cpu)
-    assert larger.shape == (5, 8, 16)
-    assert workspace.tensor("X", (5, 8, 16), torch.float32, cpu).data_ptr() == larger.data_ptr()
+    assert larger.shape == (5, 8, 16) and larger.data_ptr() != first.data_ptr()
+    assert workspace.tensor("X", (5, 8, 16), torch.float32, cpu) is larger  # the same request: the same view again
+    again = workspace.tensor("X", (4, 8, 16), torch.float32, cpu)
+    assert again.shape == (4, 8, 16) and again.data_ptr() == larger.data_ptr()
+    assert workspace.tensor("X", (4, 8, 16), torch.bfloat16, cpu).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("coefficients", ["original", "quintic", "polar_express"])

@@ -24,6 +24,9 @@ class Workspace:
 
     def __init__(self) -> None:
         self._blocks: dict[tuple[torch.device, str], Tensor] = {}
+        # Each block's last view, handed out again for the same shape and dtype: a slice and two views per request
+        # were most of a lone small matrix's stack request (~10 us of its step's ~170 us of host time, 2-core AMD EPYC).
+        self._views: dict[tuple[torch.device, str], Tensor] = {}
 
     @staticmethod
     def serves(device: torch.device) -> bool:
@@ -33,8 +36,13 @@ class Workspace:
         """An uninitialized contiguous tensor: the block `name` on the CPU, else a fresh one."""
         if not self.serves(device):
             return torch.empty(tuple(shape), dtype=dtype, device=device)
+        key, shape = (device, name), tuple(shape)
+        view = self._views.get(key)
+        if view is not None and view.dtype == dtype and view.shape == shape:
+            return view
         nbytes = math.prod(shape) * dtype.itemsize
-        block = self._blocks.get((device, name))
+        block = self._blocks.get(key)
         if block is None or block.numel() < nbytes:
-            block = self._blocks[(device, name)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return block[:nbytes].view(dtype).view(tuple(shape))
+            block = self._blocks[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        view = self._views[key] = block[:nbytes].view(dtype).view(shape)
+        return view
