@@ -726,7 +726,7 @@ class Muon(Optimizer):
         if torch.compiler.is_compiling():
             _validate_group(group, at_step=True)
             return None
-        options = tuple(group[key] for key in option_keys)
+        options = operator.itemgetter(*option_keys)(group)  # a third of a generator's time: once per group a step
         kept = self._kept.get(id(group))
         if kept is not None and kept.holds(options):
             return kept
