@@ -533,9 +533,9 @@ class Muon(Optimizer):
             stored back with stochastic rounding, so small updates are not lost; the count of rounded writes is
             state "rounding_count". A group's moments follow a change of its state_dtype at its next step.
         offload: None or "cpu": the moments (Muon's momentum, AdamW's two, their block scales, NorMuon's second
-            moment) of parameters on a GPU live in pinned host memory; each step streams them to the GPU one bucket
-            of matrices (one AdamW tensor) at a time on a side stream, the next one's copy overlapping this one's
-            update, and writes them back. The GPU then holds about two buckets' state. DTensor parameters keep
+            moment) of parameters on a GPU live in pinned host memory; each step streams them to the GPU in groups
+            (a bucket of matrices, AdamW tensors of up to 32 MiB of state) on side streams, the next group's fetch
+            overlapping this one's update, and writes them back. The GPU then holds about three groups' state. DTensor parameters keep
             DTensor state whose local shards live on the host; the distributed pipeline fetches each chunk's while
             the chunks before it compute (its GPU holds at most four chunks' state). On CPU parameters it moves
             nothing and says so once. Not a per-group option.
@@ -1011,7 +1011,7 @@ class Muon(Optimizer):
         gradient replaced or changed in place since is read again. For the L2 norm on the CPU (with the compiled
         ops) the total is accumulated in float64 (float32 result, float64 for float64 gradients); elsewhere it is
         torch's, from torch's per-gradient norms (`clipping.clip_by_tensor_norms_`). DTensor gradients, gradients on
-        several devices and `foreach=False` go to torch's function."""
+        several devices and, where the compiled ops do not serve, `foreach=False` go to torch's function."""
         max_norm = check_max_norm(max_norm)
         params = [param for group in self.param_groups for param in group["params"] if param.grad is not None]
         grads = [param.grad for param in params]
