@@ -60,7 +60,7 @@ def test_within_two_roundings_of_float64(native, dtype: torch.dtype, update_dtyp
     # Tensor step sizes too (lr schedules, the RMS rule): the fallback multiplies them in with addcmul_.
     params, updates = _tensors(dtype, update_dtype, seed=1)
     originals = [param.to(torch.float64, copy=True) for param in params]
-    decay = torch.tensor([0.9, 0.99, 1.0], dtype=dtype)
+    decay = torch.tensor([0.9, 0.99, 1.0], dtype=torch.promote_types(dtype, torch.float32))  # as decay_factors makes
     steps = [-0.25, torch.tensor(-0.125, dtype=dtype), torch.tensor(0.75, dtype=dtype)]
     native.apply_update_(params, updates, decay, steps)
     unit = torch.finfo(dtype).eps / 2

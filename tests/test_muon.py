@@ -945,6 +945,21 @@ def test_tensor_and_numpy_hyperparameters_act_as_their_values() -> None:
         Muon([torch.randn(4, 4)], lr=torch.tensor([0.01, 0.02]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_a_float32_tensor_lr_decays_as_its_value_does(dtype: torch.dtype) -> None:
+    # Zero gradients: only the decay acts. Its factor is formed in the parameter's precision from the lr's value
+    # (formed in float32 first, it was ~8e-8 off per step for a float64 parameter).
+    lr = torch.tensor(0.02)
+    params = [torch.randn(6, 6, dtype=dtype) for _ in range(2)]
+    opts = [Muon([params[0]], lr=lr, weight_decay=0.1), Muon([params[1]], lr=float(lr), weight_decay=0.1)]
+    params[1].copy_(params[0])
+    for _ in range(3):
+        for param, opt in zip(params, opts):
+            param.grad = torch.zeros_like(param)
+            opt.step()
+    assert torch.equal(params[0], params[1])
+
+
 def test_a_group_made_invalid_after_construction_changes_nothing() -> None:
     first, second = torch.randn(6, 6), torch.randn(6, 6)
     opt = Muon([dict(params=[first]), dict(params=[second])])

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from conformance_support import (TORCH_MUON_COEFFICIENTS, Muon, Reference, Settings, assert_all_equal,
+from conformance_support import (FLOAT_DTYPES, TORCH_MUON_COEFFICIENTS, Muon, Reference, Settings, assert_all_equal,
                                  assert_matches_reference, make_params, seeded_grads, train_with_reference)
 
 TORCH_MUON_OPTIONS = {name: p.default for name, p in inspect.signature(torch.optim.Muon).parameters.items()
@@ -125,3 +125,22 @@ def test_matching_settings_equal_torch_muon_on_matrices(nesterov: bool) -> None:
     for param, matrix in zip(params, reference.pieces):
         theirs = reference.muon.state[matrix[0]]["momentum_buffer"]
         torch.testing.assert_close(opt.state[param]["momentum_buffer"], theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("lr, weight_decay", [(0.02, 0.1), (0.005, 0.1), (0.5, 0.5)])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_weight_decay_alone_equals_torch_muon_on_every_float_dtype(dtype: torch.dtype, lr: float,
+                                                                    weight_decay: float) -> None:
+    # Zero gradients, so that only the decay moves the matrices: each step multiplies by 1 - lr * weight_decay as
+    # a float32 number (float64 for float64 matrices) and rounds once to the matrix's dtype, as torch's mul_ by that
+    # Python number does. A factor rounded to bfloat16 first (1 - 0.002 -> 1 - 0.0039) doubled the decay there.
+    params = [param.to(dtype) for param in make_params([(8, 6), (6, 8), (16, 16)])]
+    twins = [param.clone() for param in params]
+    ours = Muon(params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="original")
+    theirs = torch.optim.Muon(twins, lr=lr, weight_decay=weight_decay)
+    for _ in range(20):
+        for param in (*params, *twins):
+            param.grad = torch.zeros_like(param)
+        ours.step()
+        theirs.step()
+    assert_all_equal(params, twins)

@@ -91,15 +91,23 @@ def update_step_size(lr: LearningRate, adjust_lr_fn: str | None, view: MatrixVie
     return adjusted_lr(lr, None, view, normalize_spatial) * rms_scale
 
 
-def decay_factors(skipped: Tensor, lr: LearningRate, weight_decay: float, dtype: torch.dtype) -> Tensor:
-    """Decoupled weight decay's factor per parameter: 1 - lr * weight_decay, or 1 where the step was skipped. In the
-    parameters' dtype: a float32 factor would round a float64 parameter's decay (by ~3e-8). Filled on the device,
-    not copied from the host, so a GPU step gains no transfer."""
-    decay = 1.0 - lr * weight_decay
-    if isinstance(decay, Tensor):
-        factors = decay.to(dtype=dtype, device=skipped.device).expand(skipped.shape)
+def decay_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of decoupled weight decay's factors for parameters of `param_dtype`: float32, or float64 for float64
+    parameters (a float32 factor would round their decay by ~3e-8). Never a 16-bit one: bfloat16 rounds 1 - 0.002 to
+    1 - 0.0039, which doubled a bfloat16 matrix's decay, and 1 - 0.0005 to 1 (no decay at all); torch.optim.Muon
+    multiplies by the factor as a float32 number."""
+    return torch.promote_types(param_dtype, torch.float32)
+
+
+def decay_factors(skipped: Tensor, lr: LearningRate, weight_decay: float, param_dtype: torch.dtype) -> Tensor:
+    """Decoupled weight decay's factor per parameter: 1 - lr * weight_decay, or 1 where the step was skipped, in
+    `decay_dtype` (a tensor lr taken to it first). Filled on the device, not copied from the host, so a GPU step gains
+    no transfer."""
+    dtype = decay_dtype(param_dtype)
+    if isinstance(lr, Tensor):
+        factors = (1.0 - lr.to(dtype=dtype, device=skipped.device) * weight_decay).expand(skipped.shape)
     else:
-        factors = torch.full(skipped.shape, decay, dtype=dtype, device=skipped.device)
+        factors = torch.full(skipped.shape, 1.0 - lr * weight_decay, dtype=dtype, device=skipped.device)
     return factors.masked_fill(skipped, 1.0)
 
 
@@ -379,7 +387,7 @@ def _round_decay(skipped: Tensor, rates: Rates, items: Sequence[MuonTensors], dt
     if not any(weight_decays):
         return None
     factors = [1.0 - item_lr * decay for item_lr, decay in zip(lrs, weight_decays)]
-    return _on_device(factors, dtype, skipped.device).masked_fill(skipped, 1.0)
+    return _on_device(factors, decay_dtype(dtype), skipped.device).masked_fill(skipped, 1.0)
 
 
 def _on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:

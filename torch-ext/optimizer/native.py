@@ -335,9 +335,9 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
                   step_sizes: Sequence[float | Tensor]) -> None:
     """params[i] <- params[i] * decay[i], then <- params[i] + step_sizes[i] * updates[i], each rounded to the
     parameter's dtype: `_foreach_mul_` then `add_`, the update converted to the parameter's dtype as it is read.
-    `decay`: (N,) factors in the parameters' dtype on their device, or None (no decay); a step size is a number or
-    a one-element tensor. An update may be strided (a tall matrix's Newton-Schulz result is the transpose of a
-    contiguous one).
+    `decay`: (N,) factors in `functional.decay_dtype` on the parameters' device, or None (no decay); a step size is
+    a number or a one-element tensor. An update may be strided (a tall matrix's Newton-Schulz result is the
+    transpose of a contiguous one).
 
     The compiled op serves contiguous CPU parameters outside torch.compile, with contiguous or transposed updates,
     one pass per parameter: there torch's add_ first copies an update of another dtype to the parameter's (a

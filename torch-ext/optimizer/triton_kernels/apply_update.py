@@ -79,8 +79,8 @@ def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
                   step_sizes: Sequence[float] | Tensor, indices: Sequence[int]) -> None:
     """`param * decay[i] + step_sizes[i] * update` for the parameters at `indices`, which `apply_takes` took, of one
     parameter dtype, one update dtype and one orientation (all contiguous updates, or all transposed): one launch.
-    `decay`: (N,) in the parameters' dtype on their device, or None (no decay). `step_sizes`: (N,) float32 on the
-    device, or numbers, which go there in one copy kept for the next launches with the same ones."""
+    `decay`: (N,) in `functional.decay_dtype` on the parameters' device, or None (no decay). `step_sizes`: (N,)
+    float32 on the device, or numbers, which go there in one copy kept for the next launches with the same ones."""
     param_like, update_like = params[indices[0]], updates[indices[0]]
     param_base, update_base = param_like.data_ptr(), update_like.data_ptr()
     rows = tuple(value for i in indices
