@@ -71,6 +71,17 @@ def _as_real(value: Any) -> float | None:
     return float(value)
 
 
+def _as_integer(value: Any) -> int | None:
+    """A Python or numpy integer, or a one-element integer tensor, as an int; None for anything else (bool included)."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex()
+                                                                   or value.dtype == torch.bool)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # also a tensor of several elements
+        return None
+
+
 def _learning_rate(value: Any) -> float | Tensor:
     """lr as the update math takes it: a tensor lr stays a tensor, so that a compiled step never reads its value
     (which would break the graph, and recompile whenever a schedule moves it)."""
@@ -97,7 +108,9 @@ def _check_nonnegative(name: str, value: Any, read_tensors: bool = True) -> None
         if not read_tensors or torch.compiler.is_compiling():
             return  # reading it would sync or break the graph; torch optimizers do not check tensor values at step
     number = _as_real(value)
-    if number is None or not number >= 0 or not math.isfinite(number):
+    if number is None:  # a 0-dim numpy array prints as its number: say why it is none
+        raise _invalid(name, value, f"a finite number >= 0, not a {type(value).__name__}")
+    if not number >= 0 or not math.isfinite(number):
         raise _invalid(name, value, "a finite number >= 0")
 
 
@@ -177,6 +190,18 @@ def _adamw_lr_as_scale(group: dict[str, Any], reference_lr: Any) -> dict[str, An
     return {**group, "adamw_lr_scale": _as_real(adamw_lr) / lr}
 
 
+# Options whose None stands for a value of their own, which groups keep instead (adamw_weight_decay's None, "as
+# weight_decay", follows weight_decay and stays None).
+_NONE_MEANS = {"adamw_lr_scale": 1.0, "adamw_betas": (0.9, 0.95)}
+# Options of the optimizer as a whole: attributes, not group keys.
+_OPTIMIZER_OPTIONS = ("offload", "process_group", "qk_clip", "qk_clip_threshold")
+
+
+def _none_resolved(group: dict[str, Any]) -> dict[str, Any]:
+    """The group with the `_NONE_MEANS` options it gives as None set to what None stands for."""
+    return {**group, **{key: value for key, value in _NONE_MEANS.items() if key in group and group[key] is None}}
+
+
 def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     """Every option of the group; at step time a capturable group's tensor values are not read (a host sync)."""
     _check_bool("capturable", group["capturable"])
@@ -187,6 +212,7 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     if not _as_real(group["eps"]) > 0:
         raise _invalid("eps", group["eps"], "a number > 0")
     _check_fraction("momentum", group["momentum"])
+    _check_bool("nesterov", group["nesterov"])
     _check_nonnegative("adamw_lr_scale", group["adamw_lr_scale"])
     if group["adamw_weight_decay"] is not None:
         _check_nonnegative("adamw_weight_decay", group["adamw_weight_decay"])
@@ -197,9 +223,9 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
         if _as_real(beta) is None or not 0 <= _as_real(beta) < 1:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta} (adamw_betas: expected numbers in "
                              "[0, 1))")
-    steps = group["ns_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
-        raise ValueError(f"Invalid ns_steps: {steps!r} (expected an integer in [1, 100])")
+    steps = _as_integer(group["ns_steps"])
+    if steps is None or not 1 <= steps <= 100:
+        raise ValueError(f"Invalid ns_steps: {group['ns_steps']!r} (expected an integer in [1, 100])")
     try:
         resolve_coefficients(group["ns_coefficients"], steps, group["preconditioner"])
     except ValueError as error:
@@ -219,7 +245,8 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     _check_bool("scale_eps", group["scale_eps"])
     _check_bool("normalize_spatial", group["normalize_spatial"])
     _check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
-    _check_choice("use_muon", group["use_muon"], (None, True, False))
+    if group["use_muon"] is not None and not isinstance(group["use_muon"], bool):  # 0 == False, but 0 is not False
+        raise ValueError(f"Invalid use_muon: {group['use_muon']!r} (expected None, True or False)")
     dtype = group["ns_dtype"]
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"Invalid ns_dtype: {dtype!r} (expected None or a floating torch.dtype)")
@@ -227,7 +254,7 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     if not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
         raise ValueError(f"Invalid comm_dtype: {comm_dtype!r} (expected a floating torch.dtype)")
     chunk_size = group["chunk_size"]
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and not (_as_integer(chunk_size) or 0) >= 1:
         raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected None or an integer >= 1)")
 
 
@@ -276,6 +303,7 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
             missing = [key for key in _ADAMW_STATE_KEYS if key not in saved]
             raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has AdamW state {adamw_keys} without "
                              f"{missing}")
+        _check_saved_moments(saved_id, saved)
         for key, value in saved.items():
             if key in MOMENT_KEYS:
                 expected = param.shape
@@ -290,6 +318,27 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
                 raise ValueError(f"Invalid state_dict: state {key!r} of parameter {saved_id!r} is {shape}, expected "
                                  f"a tensor of shape {tuple(expected)} (the parameter it loads into has shape "
                                  f"{tuple(param.shape)})")
+
+
+def _check_saved_moments(saved_id: Any, saved: dict[str, Any]) -> None:
+    """A parameter's saved state holds its moments (state without them would restart them from zero), each a float
+    tensor, or 8-bit codes (int8) with their block scales beside them and only then (codes read without their scales
+    would be taken as values, and values with scales as codes)."""
+    where = f"Invalid state_dict: parameter {saved_id!r} has"
+    if saved and not any(key in saved for key in MOMENT_KEYS):
+        raise ValueError(f"{where} state {sorted(saved)} without its moments (one of {', '.join(MOMENT_KEYS)})")
+    for key, scales_key in (*_MUON_MOMENTS, *_ADAMW_MOMENTS):
+        moment, scales = saved.get(key), saved.get(scales_key)
+        if moment is None and scales is not None:
+            raise ValueError(f"{where} {scales_key!r} without {key!r}")
+        if not isinstance(moment, Tensor):
+            continue  # absent, or refused with its shape by the caller
+        if moment.dtype == torch.int8 and scales is None:
+            raise ValueError(f"{where} {key!r} as 8-bit codes without their scales {scales_key!r}")
+        if moment.dtype != torch.int8 and scales is not None:
+            raise ValueError(f"{where} {scales_key!r} beside a {moment.dtype} {key!r}, which is not 8-bit codes")
+        if moment.dtype != torch.int8 and not moment.is_floating_point():
+            raise ValueError(f"{where} {key!r} of dtype {moment.dtype} (expected a float tensor, or 8-bit codes)")
 
 
 def _moment_form(param: Tensor, state_dtype: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
@@ -342,7 +391,7 @@ def _view(group: dict[str, Any], param: Tensor) -> MatrixView | None:
 def _muon_settings(group: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """What `muon_update` takes from a group whose Muon parameters are on `device` (the first, where several)."""
     orthogonalizer = Orthogonalizer(
-        tuple(resolve_coefficients(group["ns_coefficients"], group["ns_steps"], group["preconditioner"])),
+        tuple(resolve_coefficients(group["ns_coefficients"], _as_integer(group["ns_steps"]), group["preconditioner"])),
         _as_real(group["eps"]), group["ns_dtype"] or default_ns_dtype(device),
         group["ns_algorithm"], group["preconditioner"], _as_real(group["safety_factor"]), group["scale_eps"],
         dtype_is_default=group["ns_dtype"] is None)
@@ -409,19 +458,19 @@ _LAYOUT_OPTIONS = ("use_muon", "param_layout", "conv_mode", "state_dtype", "norm
 @dataclass
 class _HeldItems:
     """A group's step items as a step gathered them (`Muon._gather`), kept for the steps after: while the group's
-    parameters are the same, with gradients where they had them, its `_LAYOUT_OPTIONS` the same, and each
-    parameter's state holds the same tensors under the same keys, a step takes these items with the new gradients
-    instead of checking, preparing and gathering each parameter's state again. GPT-2 small's 97 AdamW tensors at
-    1/96 width: the check, preparation and gathering took ~320 µs of the AdamW part's ~600 µs of host time, this
-    check ~70 (2-core AMD EPYC). A state tensor replaced, a parameter's state dropped or loaded, a layout option
-    changed: the step gathers afresh."""
+    parameters are the same, of the same dtypes (`model.double()` changes them in place), with gradients where they
+    had them, its `_LAYOUT_OPTIONS` the same, and each parameter's state holds the same tensors under the same keys,
+    a step takes these items with the new gradients instead of checking, preparing and gathering each parameter's
+    state again. GPT-2 small's 97 AdamW tensors at 1/96 width: the check, preparation and gathering took ~320 µs of
+    the AdamW part's ~600 µs of host time, this check ~70 (2-core AMD EPYC). A state tensor replaced, a parameter's
+    state dropped or loaded, a layout option changed: the step gathers afresh."""
 
     params: list[Tensor]  # the group's own list
     options: tuple  # the group's _LAYOUT_OPTIONS
     state: Mapping[Tensor, dict[str, Any]]  # the optimizer's state mapping
-    # Per parameter: itself, and with a gradient, its state dict, the keys its item was read from, their values then
-    # (`_MUON_STATE`, `_ADAMW_STATE`, as `_state_keys` leaves them) and its item.
-    entries: list[tuple[Tensor, dict[str, Any] | None, tuple[str | None, ...], tuple[Tensor | None, ...],
+    # Per parameter: itself and its dtype, and with a gradient, its state dict, the keys its item was read from, their
+    # values then (`_MUON_STATE`, `_ADAMW_STATE`, as `_state_keys` leaves them) and its item.
+    entries: list[tuple[Tensor, torch.dtype, dict[str, Any] | None, tuple[str | None, ...], tuple[Tensor | None, ...],
                         MuonTensors | AdamWTensors | None]]
     muon_items: list[MuonTensors]
     adamw_items: list[AdamWTensors]
@@ -434,9 +483,9 @@ class _HeldItems:
         if (params is not self.params or len(params) != len(self.entries) or state is not self.state
                 or not all(map(operator.is_, map(group.get, _LAYOUT_OPTIONS), self.options))):
             return None
-        for param, (held, param_state, keys, values, item) in zip(params, self.entries):
+        for param, (held, dtype, param_state, keys, values, item) in zip(params, self.entries):
             grad = param.grad
-            if held is not param or (grad is None) != (item is None):
+            if held is not param or param.dtype is not dtype or (grad is None) != (item is None):
                 return None
             if item is None:
                 continue
@@ -535,10 +584,10 @@ class Muon(Optimizer):
         offload: None or "cpu": the moments (Muon's momentum, AdamW's two, their block scales, NorMuon's second
             moment) of parameters on a GPU live in pinned host memory; each step streams them to the GPU in groups
             (a bucket of matrices, AdamW tensors of up to 32 MiB of state) on side streams, the next group's fetch
-            overlapping this one's update, and writes them back. The GPU then holds about three groups' state. DTensor parameters keep
-            DTensor state whose local shards live on the host; the distributed pipeline fetches each chunk's while
-            the chunks before it compute (its GPU holds at most four chunks' state). On CPU parameters it moves
-            nothing and says so once. Not a per-group option.
+            overlapping this one's update, and writes them back. The GPU then holds about three groups' state.
+            DTensor parameters keep DTensor state whose local shards live on the host; the distributed pipeline
+            fetches each chunk's while the chunks before it compute (its GPU holds at most four chunks' state). On
+            CPU parameters it moves nothing and says so once. Not a per-group option.
         normalize_spatial: in conv_mode "batched", scale each kernel position's update by 1 / sqrt(positions)
             (timm's option; its default is True, ours False: under "match_rms_adamw" both conv modes then give every
             entry AdamW's RMS).
@@ -586,17 +635,12 @@ class Muon(Optimizer):
                         normalization=normalization, safety_factor=safety_factor, scale_eps=scale_eps,
                         capturable=capturable, verbose=verbose, state_dtype=state_dtype, use_muon=None,
                         param_layout="auto")
-        defaults = _adamw_lr_as_scale(_from_timm_spellings({**defaults, "betas": betas, "algo": algo,
-                                                             "fallback_lr_scale": fallback_lr_scale}), lr)
-        if defaults["adamw_lr_scale"] is None:
-            defaults["adamw_lr_scale"] = 1.0
-        if defaults["adamw_betas"] is None:
-            defaults["adamw_betas"] = (0.9, 0.95)
+        defaults = _none_resolved(_adamw_lr_as_scale(_from_timm_spellings(
+            {**defaults, "betas": betas, "algo": algo, "fallback_lr_scale": fallback_lr_scale}), lr))
         _validate_group(defaults)
         # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         self.process_group = process_group
-        check_threshold(qk_clip_threshold)
-        self.qk_clip_threshold = qk_clip_threshold
+        self.qk_clip_threshold = check_threshold(qk_clip_threshold, _as_real(qk_clip_threshold))
         _check_choice("offload", offload, OFFLOAD_TARGETS)
         self.offload = offload
         super().__init__(params, defaults)
@@ -641,19 +685,21 @@ class Muon(Optimizer):
         return {key: value for key, value in self.defaults.items() if key != "differentiable"}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        param_group = _adamw_lr_as_scale(_from_timm_spellings(param_group), param_group.get("lr", self.defaults["lr"]))
+        for key in _OPTIMIZER_OPTIONS:
+            if key in param_group:
+                raise ValueError(f"Invalid param group key {key!r}: {key} is an option of the whole optimizer, not of "
+                                 "a param group (give it to Muon(...))")
+        param_group = _none_resolved(_adamw_lr_as_scale(_from_timm_spellings(param_group),
+                                                        param_group.get("lr", self.defaults["lr"])))
         candidate = {**self.defaults, **param_group}
         _validate_group(candidate)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if group["use_muon"]:
-            names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
-            try:
-                for name, param in zip(names, group["params"]):
-                    check_forced_muon(name, param.shape)
-            except ValueError:
-                self.param_groups.pop()  # a rejected group leaves the optimizer as it was
-                raise
+        try:
+            self._check_forced_muon(group)
+        except ValueError:
+            self.param_groups.pop()  # a rejected group leaves the optimizer as it was
+            raise
         if group["ns_dtype"] is not None:
             for device in {param.device for param in group["params"] if self._uses_muon(group, param)}:
                 warn_if_slow(group["ns_dtype"], device)
@@ -707,17 +753,35 @@ class Muon(Optimizer):
         held = None if held is None else held.items_for(group, self.state)
         if held is None:
             self._check_gradients(group)
+            self._check_forced_muon(group)
+            self._check_normalization_state(group)
         return kept, held
 
     @staticmethod
     def _check_gradients(group: dict[str, Any]) -> None:
+        """Gradients Muon can take: dense, real, of their parameter's shape and dtype (as autograd makes them; one put
+        in through `.data` could be neither, and would be refused only by an update part way through the step)."""
         for param in group["params"]:
             grad = param.grad
-            if grad is None or not (grad.is_sparse or grad.is_complex() or param.is_complex()):
+            if grad is None or not (grad.is_sparse or grad.is_complex() or param.is_complex()
+                                    or grad.dtype != param.dtype or grad.shape != param.shape):
                 continue
             if grad.is_sparse:
                 raise RuntimeError(f"Muon does not support sparse gradients (parameter of shape {tuple(param.shape)})")
-            raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
+            if grad.is_complex() or param.is_complex():
+                raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
+            raise RuntimeError(f"Invalid gradient: a {grad.dtype} gradient of shape {tuple(grad.shape)} for the "
+                               f"{param.dtype} parameter of shape {tuple(param.shape)} (expected its shape and dtype)")
+
+    @staticmethod
+    def _check_forced_muon(group: dict[str, Any]) -> None:
+        """A group that forces its parameters into Muon (`use_muon=True`, also when set since they were added) holds
+        only matrices or stacks of them."""
+        if group["use_muon"] is not True:
+            return
+        names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
+        for name, param in zip(names, group["params"]):
+            check_forced_muon(name, param.shape)
 
     def _checked_options(self, group: dict[str, Any], option_keys: tuple[str, ...]) -> _Kept | None:
         """The group's options checked (`_validate_group`), unless they are the very objects the last step checked;
@@ -751,7 +815,7 @@ class Muon(Optimizer):
             view = None if param.grad is None else _view(group, param)
             if view is None:
                 continue
-            saved = self.state[param].get("update_sq")
+            saved = self.state.get(param, {}).get("update_sq")  # never made here: a refused step makes no state
             expected = second_moment_shape(param.shape, view, group["normalization"])
             if saved is not None and tuple(saved.shape) != expected:
                 raise ValueError(f"Invalid normalization: {group['normalization']!r} needs a second moment of shape "
@@ -767,10 +831,7 @@ class Muon(Optimizer):
         tracer keeps as the first group's call left it, so a step of several groups reads its state from the lists
         (read from the dict, the first step of two groups under fullgraph=True raised a KeyError). A CUDA graph of the
         step then updates that state in place; created inside the graph instead, it would be among the graph's
-        outputs, which the next replay overwrites. The saved second moments are checked here, as the state is read
-        only here before the update: a group refused leaves the groups before it with their state made, which is all
-        a step would have done to it, and every parameter as it was."""
-        self._check_normalization_state(group)
+        outputs, which the next replay overwrites."""
         muon_keys, adamw_keys = _state_keys(group, _MUON_STATE), _state_keys(group, _ADAMW_STATE)
         for param in group["params"]:
             if param.grad is not None:
@@ -786,8 +847,8 @@ class Muon(Optimizer):
         tensor the same object."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
-        entries: list[tuple[Tensor, dict[str, Any] | None, tuple[str | None, ...], tuple[Tensor | None, ...],
-                            MuonTensors | AdamWTensors | None]] = []
+        entries: list[tuple[Tensor, torch.dtype, dict[str, Any] | None, tuple[str | None, ...],
+                            tuple[Tensor | None, ...], MuonTensors | AdamWTensors | None]] = []
         # Not asked while torch.compile traces (`hold` False): dynamo warns at every cached function it traces.
         muon_keys, adamw_keys = ((_state_keys(group, _MUON_STATE), _state_keys(group, _ADAMW_STATE)) if hold
                                  else ((), ()))
@@ -795,7 +856,7 @@ class Muon(Optimizer):
         for param in group["params"]:
             grad = param.grad
             if grad is None:
-                entries.append((param, None, (), (), None))
+                entries.append((param, param.dtype, None, (), (), None))
                 continue
             view = _view(group, param)
             if view is not None:
@@ -813,7 +874,7 @@ class Muon(Optimizer):
                                     exp_avg_sq_scales)
                 adamw_items.append(item)
             start += count
-            entries.append((param, self.state[param] if hold else None, keys, values, item))
+            entries.append((param, param.dtype, self.state[param] if hold else None, keys, values, item))
         if hold:
             self._held[id(group)] = _HeldItems(group["params"], tuple(map(group.get, _LAYOUT_OPTIONS)), self.state,
                                                entries, muon_items, adamw_items)
@@ -872,7 +933,8 @@ class Muon(Optimizer):
             (spread if is_spread(item.param, self.process_group) else local).append(item)
         if spread:
             self._pend(pending, distributed_muon_update, spread, process_group=self.process_group,
-                       comm_dtype=group["comm_dtype"], chunk_size=group["chunk_size"], schedule=schedule, **settings)
+                       comm_dtype=group["comm_dtype"], chunk_size=_as_integer(group["chunk_size"]), schedule=schedule,
+                       **settings)
         if local:
             self._pend(pending, staged_muon_update, local, workspace=self._workspace, schedule=schedule, **settings)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,10 +51,11 @@ class QKClipLayer:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
 
-def check_threshold(threshold: float) -> None:
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not (
-            math.isfinite(threshold) and threshold > 0):
-        raise ValueError(f"Invalid qk_clip_threshold: {threshold!r} (expected a finite number > 0)")
+def check_threshold(given: Any, value: float | None) -> float:
+    """`value`, the threshold `given` as a float (None where it is no real number), if it is finite and > 0."""
+    if value is None or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"Invalid qk_clip_threshold: {given!r} (expected a finite number > 0)")
+    return value
 
 
 def resolve_layers(layers: Mapping[Hashable, QKClipLayer],

@@ -1,0 +1,225 @@
+"""What Muon refuses, and that a refused step or load changes nothing: options given in a form that means something
+else (0 for False, a string for a bool, a constructor option in a group), gradients that autograd would not make,
+group changes that only a later group's state reveals as invalid, and checkpoints whose moments cannot be read as
+saved. Also the forms of a valid option that mean what they say (numpy integers, a group's None)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kernel_under_test import optimizer
+
+Muon = optimizer.Muon
+
+
+def seeded_grads(params: list[torch.Tensor], seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+
+
+def snapshot(opt: "optimizer.Muon", params: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    return [param.detach().clone() for param in params], copy.deepcopy(opt.state_dict())
+
+
+def assert_unchanged(opt: "optimizer.Muon", params: list[torch.Tensor],
+                     before: tuple[list[torch.Tensor], dict[str, Any]]) -> None:
+    after = snapshot(opt, params)
+    assert all(torch.equal(param, old) for param, old in zip(after[0], before[0]))
+    assert after[1]["state"].keys() == before[1]["state"].keys()
+    for index, state in before[1]["state"].items():
+        assert state.keys() == after[1]["state"][index].keys()
+        for key, value in state.items():
+            got = after[1]["state"][index][key]
+            assert got.dtype == value.dtype and torch.equal(got, value), (index, key)
+
+
+def two_groups_after_a_step(last: dict[str, Any] | None = None) -> tuple["optimizer.Muon", list[torch.Tensor]]:
+    """A matrix and a vector in each of two groups, one step taken; `last`: the second group's own options."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(8, 6, generator=generator), torch.randn(6, generator=generator),
+              torch.randn(6, 8, generator=generator), torch.randn(4, generator=generator)]
+    opt = Muon([dict(params=params[:2]), dict(params=params[2:], **(last or {}))], lr=0.02)
+    seeded_grads(params, 0)
+    opt.step()
+    seeded_grads(params, 1)
+    return opt, params
+
+
+@pytest.mark.parametrize("option, value", [("nesterov", "yes"), ("nesterov", None), ("nesterov", 1),
+                                           ("use_muon", 0), ("use_muon", np.False_), ("use_muon", "auto")])
+def test_a_bool_option_in_another_form_is_refused_wherever_it_enters(option: str, value: Any) -> None:
+    # `use_muon=0` passed an equality check and then routed as a forced Muon (`is False` failed); nesterov="yes"
+    # reached the momentum op after the first group's update had been written.
+    with pytest.raises(ValueError, match=option):
+        Muon([dict(params=[torch.randn(4, 4)], **{option: value})])  # use_muon is a group key only
+    opt, params = two_groups_after_a_step()
+    with pytest.raises(ValueError, match=option):
+        opt.add_param_group({"params": [torch.randn(3, 3)], option: value})
+    assert len(opt.param_groups) == 2
+    opt.param_groups[-1][option] = value
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=option):
+        opt.step()
+    assert_unchanged(opt, params, before)
+
+
+@pytest.mark.parametrize("key, value", [("offload", "cpu"), ("qk_clip_threshold", -1.0), ("process_group", None),
+                                        ("qk_clip", {})])
+def test_an_option_of_the_whole_optimizer_is_refused_in_a_group(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"{key}.*whole optimizer"):
+        Muon([dict(params=[torch.randn(4, 4)], **{key: value})])
+
+
+def test_a_group_given_none_for_adamw_lr_scale_or_betas_takes_what_none_stands_for() -> None:
+    # The constructor's None means 1 and (0.9, 0.95); a group's None means the same, where it was refused.
+    def trained(group: dict[str, Any]) -> list[torch.Tensor]:
+        params = [torch.randn(8, 6, generator=torch.Generator().manual_seed(2)), torch.ones(6)]
+        opt = Muon([torch.zeros(3, 3)], lr=0.02, adamw_lr_scale=0.5, adamw_betas=(0.8, 0.9))
+        opt.add_param_group({"params": params, **group})
+        for seed in range(2):
+            seeded_grads(params, seed)
+            opt.step()
+        return params
+
+    expected = trained({"adamw_lr_scale": 1.0, "adamw_betas": (0.9, 0.95)})
+    got = trained({"adamw_lr_scale": None, "adamw_betas": None})
+    assert all(torch.equal(p, q) for p, q in zip(got, expected))
+
+
+def test_numpy_and_tensor_integers_are_taken_as_their_values() -> None:
+    def trained(**options: Any) -> list[torch.Tensor]:
+        params = [torch.randn(8, 6, generator=torch.Generator().manual_seed(3))]
+        opt = Muon(params, lr=0.02, **options)
+        seeded_grads(params, 0)
+        opt.step()
+        return params
+
+    expected = trained(ns_steps=3, chunk_size=2, qk_clip_threshold=50.0)
+    for options in (dict(ns_steps=np.int64(3), chunk_size=np.int32(2), qk_clip_threshold=np.float32(50.0)),
+                    dict(ns_steps=torch.tensor(3), chunk_size=torch.tensor(2), qk_clip_threshold=torch.tensor(50.0))):
+        assert torch.equal(trained(**options)[0], expected[0])
+    for option, value in (("ns_steps", torch.tensor(3.0)), ("ns_steps", np.float64(3)), ("chunk_size", 2.5),
+                          ("qk_clip_threshold", "50")):
+        with pytest.raises(ValueError, match=option):
+            Muon([torch.randn(4, 4)], **{option: value})
+
+
+def test_a_number_in_a_form_not_taken_is_refused_by_its_type() -> None:
+    # A 0-dim numpy array prints as its number: "Invalid learning rate: 0.01" alone said nothing.
+    with pytest.raises(ValueError, match="learning rate: 0.01 .*not a ndarray"):
+        Muon([torch.randn(4, 4)], lr=np.array(0.01))
+
+
+@pytest.mark.parametrize("routed_to", ["muon", "adamw"])
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_a_gradient_autograd_would_not_make_is_refused_before_any_update(routed_to: str, bad: str) -> None:
+    # Put in through .data, a gradient of another shape or dtype on an AdamW-routed parameter was refused only by
+    # the AdamW part's op, after the Muon part had written its updates.
+    params = [torch.randn(8, 6), torch.randn(6)]
+    opt = Muon(params, lr=0.02)
+    seeded_grads(params, 0)
+    target = params[0] if routed_to == "muon" else params[1]
+    wrong = torch.randn(2, *target.shape) if bad == "shape" else torch.randn(target.shape, dtype=torch.float64)
+    target.grad.data = wrong
+    before = snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="Invalid gradient"):
+        opt.step()
+    assert_unchanged(opt, params, before)
+
+
+@pytest.mark.parametrize("change", ["normalization", "use_muon"])
+def test_a_later_group_refused_by_its_state_or_shapes_leaves_the_earlier_groups_state_as_it_was(change: str) -> None:
+    # The first group's moments are due to go to int8 at this step; the second group is invalid in a way only its
+    # parameters or state show. Checked as the groups' state was prepared, the first group's moments had been
+    # converted (a float32 momentum through int8 codes: 0.7% off once converted back) before the refusal.
+    opt, params = two_groups_after_a_step({"normalization": "neuron"})
+    opt.param_groups[0]["state_dtype"] = "int8"
+    if change == "normalization":
+        opt.param_groups[1]["normalization"] = "element"  # its saved second moment has the "neuron" shape
+    else:
+        opt.param_groups[1]["use_muon"] = True  # it holds a vector
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=change):
+        opt.step()
+    assert_unchanged(opt, params, before)
+
+
+def test_a_parameter_made_float64_in_place_trains_on_as_after_a_load() -> None:
+    # model.double() changes each parameter's dtype in place: the items a step holds from the step before must not
+    # hold then (the momentum op refused the float32 momentum), and the moments follow the new dtype as they do
+    # when the same state is loaded into a fresh optimizer.
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+
+    def step(net: torch.nn.Module, opt: "optimizer.Muon") -> None:
+        opt.zero_grad()
+        net(torch.ones(3, 8, dtype=next(net.parameters()).dtype)).square().sum().backward()
+        opt.step()
+
+    net, twin = model(), model()
+    opt = Muon(net.parameters(), lr=0.01)
+    step(net, opt)
+    fresh = Muon(twin.parameters(), lr=0.01)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    twin.load_state_dict(net.state_dict())
+    net.double()
+    twin.double()
+    step(net, opt)
+    step(twin, fresh)
+    for param, other in zip(net.parameters(), twin.parameters()):
+        assert param.dtype == torch.float64 and torch.equal(param, other)
+        assert opt.state[param]["exp_avg" if param.dim() == 1 else "momentum_buffer"].dtype == torch.float64
+
+
+def _codes_without_scales(state: dict[str, Any]) -> None:
+    del state["momentum_buffer_scale"]
+
+
+def _values_with_scales(state: dict[str, Any]) -> None:
+    state["momentum_buffer"] = state["momentum_buffer"].float()
+
+
+def _scales_without_codes(state: dict[str, Any]) -> None:
+    del state["momentum_buffer"]
+    state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64)
+
+
+def _no_moments(state: dict[str, Any]) -> None:
+    del state["momentum_buffer"], state["momentum_buffer_scale"]
+
+
+def _integer_values(state: dict[str, Any]) -> None:
+    state["momentum_buffer"] = state["momentum_buffer"].to(torch.int32)
+    del state["momentum_buffer_scale"]
+
+
+SPOILED = {"codes_without_scales": _codes_without_scales, "values_with_scales": _values_with_scales,
+           "scales_without_codes": _scales_without_codes, "no_moments": _no_moments,
+           "integer_values": _integer_values}
+
+
+@pytest.mark.parametrize("spoil", SPOILED)
+def test_a_checkpoint_whose_moments_cannot_be_read_as_saved_is_refused_and_changes_nothing(spoil: str) -> None:
+    # int8 codes taken for values were read 127x too large; values with scales beside them were read as codes; state
+    # without its moments restarted them from zero.
+    params = [torch.randn(8, 256, generator=torch.Generator().manual_seed(4))]
+    source = Muon(params, lr=0.02, state_dtype="int8")
+    seeded_grads(params, 0)
+    source.step()
+    saved = copy.deepcopy(source.state_dict())
+    SPOILED[spoil](saved["state"][0])
+    target = Muon(params, lr=0.02, state_dtype="int8")
+    seeded_grads(params, 1)
+    target.step()
+    before = snapshot(target, params)
+    with pytest.raises(ValueError, match="Invalid state_dict"):
+        target.load_state_dict(saved)
+    assert_unchanged(target, params, before)
+
