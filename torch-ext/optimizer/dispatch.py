@@ -11,6 +11,7 @@ Two products are symmetric in every step: the Gram matrix `A = X Xᵀ` and the p
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -114,11 +115,12 @@ def kernel_choice(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, devic
     return "torch"
 
 
-def resolve_backend(X: Tensor, backend: str | None) -> str:
-    """`backend` checked against X, or the automatic choice for X's wide orientation."""
+def resolve_backend(backend: str | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> str:
+    """`backend` checked against products of `dtype` on `device`, or the automatic choice for a wide matrix (or batch)
+    of `shape`."""
     if backend is None:
-        return kernel_choice(tuple(X.shape), X.dtype, X.device)
-    check_backend(backend, X.dtype, X.device)
+        return kernel_choice(tuple(shape), dtype, device)
+    check_backend(backend, dtype, device)
     return backend
 
 

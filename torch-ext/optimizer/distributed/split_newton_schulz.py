@@ -40,7 +40,7 @@ def split_newton_schulz(blocks: Mapping[Key, Tensor], owners: Mapping[int, Seque
     X = {key: (block / norm_denominator(norms[key[0]].sqrt(), shapes[key[0]], orthogonalizer.eps,
                                         orthogonalizer.safety_factor, orthogonalizer.scale_eps)
                ).to(orthogonalizer.dtype) for key, block in wide.items()}
-    backend = {key: resolve_backend(block, None) for key, block in X.items()}
+    backend = {key: resolve_backend(None, block.shape, block.dtype, block.device) for key, block in X.items()}
     gram_shapes = {item: (min(shape),) * 2 for item, shape in shapes.items()}
     for step, (a, b, c) in enumerate(orthogonalizer.coefficients):
         partial = {key: symmetric_gram(block, backend[key]) for key, block in X.items()}
