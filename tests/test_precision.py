@@ -166,6 +166,12 @@ def test_a_lone_small_matrix_iterates_in_float32_on_a_cpu(monkeypatch: pytest.Mo
     assert precision.matrix_ns_dtype(default, torch.device(device), shape) == expected
 
 
+def test_matrix_ns_dtype_takes_a_device_named_by_a_string(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cpu(monkeypatch, "avx512_bf16")
+    assert precision.matrix_ns_dtype(torch.bfloat16, "cpu", (10, 256)) == torch.float32
+    assert precision.matrix_ns_dtype(torch.bfloat16, "cuda", (10, 256)) == torch.bfloat16
+
+
 @pytest.mark.parametrize("units, below, above", [
     (("amx_bf16", "avx512_bf16"), 203, 204),  # 3 * 203^3 multiply-adds a step: under 3 * 2^23; 204: over
     (("avx512_bf16",), 161, 162),  # under and over 3 * 2^22: AMD's bf16 products stay ahead down to smaller sizes

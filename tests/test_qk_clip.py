@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernel_under_test import optimizer
+from kernel_under_test import optimizer, submodule
 
 Muon, QKClipLayer = optimizer.Muon, optimizer.QKClipLayer
 TOKENS, MODEL_DIM, HEAD_DIM = 12, 24, 4
@@ -158,3 +158,34 @@ def test_invalid_configuration_names_the_culprit() -> None:
         opt.step(qk_logits={0: torch.ones(3)})
     with pytest.raises(ValueError, match="no qk_clip layers"):
         Muon([wq, wk]).step(qk_logits={0: torch.ones(2)})
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 0.0, float("nan"), "100"])
+def test_the_clip_function_refuses_a_threshold_the_optimizer_refuses(threshold) -> None:
+    # -1 turned the query weights into NaN and 0 zeroed them: qk_clip_ checked nothing Muon's constructor checks.
+    _, wq, wk, _, _ = attention_weights(2, 2, seed=1)
+    layer = QKClipLayer(wq, wk, num_heads=2, head_dim=HEAD_DIM)
+    before = wq.detach().clone()
+    with pytest.raises(ValueError, match="qk_clip_threshold"):
+        optimizer.qk_clip_({0: layer}, {0: torch.tensor([5.0, 50.0])}, threshold)
+    assert torch.equal(wq.detach(), before)
+
+
+def test_the_clip_function_refuses_a_layer_whose_weights_do_not_fit_its_heads() -> None:
+    _, wq, wk, _, _ = attention_weights(2, 2, seed=1)
+    layer = QKClipLayer(wq, wk, num_heads=1, head_dim=1)  # 8 rows, where one head of one row was declared
+    with pytest.raises(ValueError, match="query"):
+        optimizer.qk_clip_({0: layer}, {0: torch.tensor([50.0])}, 10.0)
+
+
+def test_a_projection_placed_as_fsdp2_over_tp_places_it_is_refused_when_the_layers_are_given(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # (_StridedShard(0), Shard(0)): the clip cannot find its rows there, and found out only after a step's update.
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard  # noqa: PLC0415
+    qk_clip = submodule(optimizer, "qk_clip")
+    _, wq, wk, _, _ = attention_weights(2, 2, seed=1)
+    wq.placements = (_StridedShard(0, split_factor=2), Shard(0))  # as a DTensor's, read by the check
+    monkeypatch.setattr(qk_clip, "is_dtensor", lambda tensor: hasattr(tensor, "placements"))
+    with pytest.raises(ValueError, match="query: placement _StridedShard"):
+        qk_clip.resolve_layers({0: QKClipLayer(wq, wk, num_heads=2, head_dim=HEAD_DIM)}, {})
+

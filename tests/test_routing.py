@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -47,6 +48,14 @@ def test_default_groups_send_embeddings_head_norms_biases_to_adamw() -> None:
         assert found[f"{block}.experts"] == (True, None, None)
     assert found["stem.weight"] == (True, "conv", None)
     assert len(found) == sum(1 for _ in TinyLM().named_parameters())
+
+
+@pytest.mark.parametrize("conv", [nn.Conv1d(64, 64, 1, groups=64), nn.Conv1d(512, 512, 3, groups=512),
+                                  nn.ConvTranspose1d(64, 64, 1, groups=64)], ids=["depthwise-k1", "aspect-171", "T"])
+def test_a_degenerate_conv1d_weight_goes_to_adamw(conv: nn.Module) -> None:
+    # (64, 1) and (512, 3) as matrices: the shape rule that sends such a Conv2d to AdamW, skipped for Conv1d before.
+    found = roles(nn.Sequential(conv))
+    assert found["0.weight"] == (False, None, None)
 
 
 def test_tied_head_appears_once_with_adamw() -> None:

@@ -268,7 +268,10 @@ def ddp_case(world: int, comm_dtype: torch.dtype = torch.float32, atol: float = 
     `grouped`): each rank orthogonalizes part of the matrices; the replicas must stay bit-identical and match
     single-device Muon."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 6))
+    # A tall matrix among them: its owner's update is a transposed view of its Newton-Schulz buffer, where the other
+    # replicas receive a contiguous copy (a normalization reducing the two layouts in different orders let the
+    # replicas drift apart).
+    model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 6))
     reference = copy.deepcopy(model)
     wrapped = nn.parallel.DistributedDataParallel(model)
     ours = Muon(grouped(list(model.parameters()), groups), **(OPTIONS | options), comm_dtype=comm_dtype,

@@ -167,3 +167,17 @@ def test_times_follow_the_roofline_of_the_slowest_rank() -> None:
 def test_a_mesh_that_does_not_hold_the_world_is_refused() -> None:
     with pytest.raises(ValueError, match="mesh_shape"):
         optimizer.plan_step(GPT2_SMALL, 8, mesh_shape=(2, 2), placements=(Shard(0), Shard(1)))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(ns_algorithm="grma"), "ns_algorithm"), (dict(conv_mode="batch"), "conv_mode"),
+    (dict(param_layout="expert"), "param_layout"), (dict(ns_steps=0), "ns_steps"), (dict(chunk_size=-3), "chunk_size"),
+    (dict(mesh_device_type="gpu"), "mesh_device_type"), (dict(ns_dtype=None), "ns_dtype"),
+    (dict(comm_dtype=torch.int8), "comm_dtype"), (dict(world=0), "world"),
+])
+def test_plan_step_refuses_what_muon_refuses(options: dict, message: str) -> None:
+    # Each gave a plan (world=0 an error from deep inside): the planner checked none of Muon's options.
+    arguments = {"world": 4, **options}
+    with pytest.raises(ValueError, match=f"Invalid {message}"):
+        optimizer.plan_step([(64, 128)], arguments.pop("world"), **arguments)
+

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import numbers
 import operator
 import warnings
 from collections import OrderedDict
@@ -29,10 +28,13 @@ from .distributed.step import distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, Rates, by_device
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
+from .option_values import (as_integer, as_real, check_bool, check_choice, check_chunk_size, check_float_dtype,
+                            check_ns_steps, is_real_scalar)
 from .offload import (OFFLOAD_TARGETS, StagedUpdates, home_device, keep_at_home, staged_adamw_update,
                       staged_muon_update)
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
-from .qk_clip import DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, qk_clip_, resolve_layers
+from .qk_clip import (DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, clip_checked_,
+                      resolve_layers)
 from .routing import CONV_MODES, PARAM_LAYOUTS, MatrixView, check_forced_muon, muon_view
 from .state_precision import (MOMENT_KEYS, STATE_DTYPES, is_quantized, rounds_stochastically, scale_key, scales_shape,
                               store_, stored_dtype, working_copy)
@@ -50,36 +52,6 @@ _EXACT_STATE_DTYPES: dict[str, Callable[[torch.dtype], torch.dtype]] = {
     "step": lambda _: torch.float32, "update_step": lambda _: torch.float32, "update_sq": moment_dtype,
     "nonfinite_skips": lambda _: torch.int64, "rounding_count": lambda _: torch.int64}
 _SCALAR_STATE_KEYS = ("step", "update_step", "nonfinite_skips", "rounding_count")
-
-
-def _is_real_scalar(value: Tensor) -> bool:
-    return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
-
-
-def _as_real(value: Any) -> float | None:
-    """A Python, numpy or one-element tensor real number as a float; None for anything else (bool included).
-
-    torch optimizers take a tensor lr, so that a compiled training loop does not recompile as the schedule moves it,
-    and numpy scalars come from configuration libraries. Python floats and ints are answered before the `numbers.Real`
-    check, an abstract class's, which the step asks of every option of every group."""
-    if type(value) in (float, int):
-        return float(value)
-    if isinstance(value, Tensor):
-        return float(value) if _is_real_scalar(value) else None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
-
-
-def _as_integer(value: Any) -> int | None:
-    """A Python or numpy integer, or a one-element integer tensor, as an int; None for anything else (bool included)."""
-    if isinstance(value, bool) or (isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex()
-                                                                   or value.dtype == torch.bool)):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:  # also a tensor of several elements
-        return None
 
 
 def _learning_rate(value: Any) -> float | Tensor:
@@ -102,12 +74,12 @@ def _invalid(name: str, value: Any, expected: str) -> ValueError:
 
 def _check_nonnegative(name: str, value: Any, read_tensors: bool = True) -> None:
     if isinstance(value, Tensor):
-        if not _is_real_scalar(value):
+        if not is_real_scalar(value):
             raise ValueError(f"Tensor {name} must be 1-element (got a {value.dtype} tensor of shape "
                              f"{tuple(value.shape)})")
         if not read_tensors or torch.compiler.is_compiling():
             return  # reading it would sync or break the graph; torch optimizers do not check tensor values at step
-    number = _as_real(value)
+    number = as_real(value)
     if number is None:  # a 0-dim numpy array prints as its number: say why it is none
         raise _invalid(name, value, f"a finite number >= 0, not a {type(value).__name__}")
     if not number >= 0 or not math.isfinite(number):
@@ -116,19 +88,8 @@ def _check_nonnegative(name: str, value: Any, read_tensors: bool = True) -> None
 
 def _check_fraction(name: str, value: Any) -> None:
     _check_nonnegative(name, value)
-    if _as_real(value) >= 1:
+    if as_real(value) >= 1:
         raise _invalid(name, value, "a number in [0, 1)")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):  # not `in (False, True)`: 1 == True
-        raise ValueError(f"Invalid {name}: {value!r} (expected True or False)")
-
-
-def _check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
-    allowed = tuple(allowed)
-    if value not in allowed:
-        raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(map(repr, allowed))})")
 
 
 # timm's Muon names some of our options differently; a timm config runs unchanged because its keys are converted to
@@ -152,13 +113,13 @@ def _from_timm_spellings(group: dict[str, Any]) -> dict[str, Any]:
     if "use_fallback" in group:
         use_fallback = group.pop("use_fallback")
         if use_fallback is not None:
-            _check_choice("use_fallback", use_fallback, (True, False))
+            check_choice("use_fallback", use_fallback, (True, False))
             if group.get("use_muon") is not None and group["use_muon"] == use_fallback:
                 raise ValueError(f"Invalid use_fallback: {use_fallback!r} contradicts use_muon={group['use_muon']!r}")
             group["use_muon"] = not use_fallback
     algo = group.pop("algo", None)
     if algo is not None:
-        _check_choice("algo", algo, _TIMM_ALGOS)
+        check_choice("algo", algo, _TIMM_ALGOS)
         normalization = _TIMM_ALGOS[algo]
         if group.get("normalization") not in (None, normalization):
             raise ValueError(f"Invalid algo: {algo!r} contradicts normalization={group['normalization']!r}")
@@ -183,11 +144,11 @@ def _adamw_lr_as_scale(group: dict[str, Any], reference_lr: Any) -> dict[str, An
         raise ValueError(f"Invalid adamw_lr: {adamw_lr!r} given with adamw_lr_scale={group['adamw_lr_scale']!r} "
                          "(expected one of them: adamw_lr_scale = adamw_lr / lr)")
     _check_nonnegative("adamw_lr", adamw_lr)
-    lr = _as_real(reference_lr)
+    lr = as_real(reference_lr)
     if lr is None or not lr > 0:
         raise ValueError(f"Invalid adamw_lr: {adamw_lr!r} is kept relative to lr, which is {reference_lr!r} "
                          "(expected lr > 0; or give adamw_lr_scale)")
-    return {**group, "adamw_lr_scale": _as_real(adamw_lr) / lr}
+    return {**group, "adamw_lr_scale": as_real(adamw_lr) / lr}
 
 
 # Options whose None stands for a value of their own, which groups keep instead (adamw_weight_decay's None, "as
@@ -204,15 +165,15 @@ def _none_resolved(group: dict[str, Any]) -> dict[str, Any]:
 
 def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     """Every option of the group; at step time a capturable group's tensor values are not read (a host sync)."""
-    _check_bool("capturable", group["capturable"])
-    _check_bool("verbose", group["verbose"])
+    check_bool("capturable", group["capturable"])
+    check_bool("verbose", group["verbose"])
     read_tensors = not (at_step and group["capturable"])
     for key in ("lr", "weight_decay", "eps", "adamw_eps"):
         _check_nonnegative(key, group[key], read_tensors)
-    if not _as_real(group["eps"]) > 0:
+    if not as_real(group["eps"]) > 0:
         raise _invalid("eps", group["eps"], "a number > 0")
     _check_fraction("momentum", group["momentum"])
-    _check_bool("nesterov", group["nesterov"])
+    check_bool("nesterov", group["nesterov"])
     _check_nonnegative("adamw_lr_scale", group["adamw_lr_scale"])
     if group["adamw_weight_decay"] is not None:
         _check_nonnegative("adamw_weight_decay", group["adamw_weight_decay"])
@@ -220,42 +181,33 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"Invalid adamw_betas: {betas!r} (expected two numbers in [0, 1))")
     for index, beta in enumerate(betas):
-        if _as_real(beta) is None or not 0 <= _as_real(beta) < 1:
+        if as_real(beta) is None or not 0 <= as_real(beta) < 1:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta} (adamw_betas: expected numbers in "
                              "[0, 1))")
-    steps = _as_integer(group["ns_steps"])
-    if steps is None or not 1 <= steps <= 100:
-        raise ValueError(f"Invalid ns_steps: {group['ns_steps']!r} (expected an integer in [1, 100])")
     try:
-        resolve_coefficients(group["ns_coefficients"], steps, group["preconditioner"])
+        resolve_coefficients(group["ns_coefficients"], check_ns_steps(group["ns_steps"]), group["preconditioner"])
     except ValueError as error:
         raise ValueError(f"Invalid ns_coefficients: {error}") from None
     if group["adjust_lr_fn"] not in (*ADJUST_LR_FNS, None):
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported (adjust_lr_fn: "
                          f"expected one of {', '.join(map(repr, (*ADJUST_LR_FNS, None)))})")
-    _check_choice("conv_mode", group["conv_mode"], CONV_MODES)
-    _check_choice("ns_algorithm", group["ns_algorithm"], NS_ALGORITHMS)
-    _check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
-    _check_choice("normalization", group["normalization"], NORMALIZATIONS)
-    _check_choice("state_dtype", group["state_dtype"], STATE_DTYPES)
+    check_choice("conv_mode", group["conv_mode"], CONV_MODES)
+    check_choice("ns_algorithm", group["ns_algorithm"], NS_ALGORITHMS)
+    check_choice("preconditioner", group["preconditioner"], PRECONDITIONERS)
+    check_choice("normalization", group["normalization"], NORMALIZATIONS)
+    check_choice("state_dtype", group["state_dtype"], STATE_DTYPES)
     try:
-        check_safety_factor(_as_real(group["safety_factor"]))
+        check_safety_factor(as_real(group["safety_factor"]))
     except ValueError:
         raise _invalid("safety_factor", group["safety_factor"], "a finite number >= 1") from None
-    _check_bool("scale_eps", group["scale_eps"])
-    _check_bool("normalize_spatial", group["normalize_spatial"])
-    _check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
+    check_bool("scale_eps", group["scale_eps"])
+    check_bool("normalize_spatial", group["normalize_spatial"])
+    check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
     if group["use_muon"] is not None and not isinstance(group["use_muon"], bool):  # 0 == False, but 0 is not False
         raise ValueError(f"Invalid use_muon: {group['use_muon']!r} (expected None, True or False)")
-    dtype = group["ns_dtype"]
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"Invalid ns_dtype: {dtype!r} (expected None or a floating torch.dtype)")
-    comm_dtype = group["comm_dtype"]
-    if not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-        raise ValueError(f"Invalid comm_dtype: {comm_dtype!r} (expected a floating torch.dtype)")
-    chunk_size = group["chunk_size"]
-    if chunk_size is not None and not (_as_integer(chunk_size) or 0) >= 1:
-        raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected None or an integer >= 1)")
+    check_float_dtype("ns_dtype", group["ns_dtype"], optional=True)
+    check_float_dtype("comm_dtype", group["comm_dtype"])
+    check_chunk_size(group["chunk_size"])
 
 
 # Per-element state has the parameter's shape; counters are scalars. Anything else would make the fused kernels read
@@ -391,14 +343,14 @@ def _view(group: dict[str, Any], param: Tensor) -> MatrixView | None:
 def _muon_settings(group: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """What `muon_update` takes from a group whose Muon parameters are on `device` (the first, where several)."""
     orthogonalizer = Orthogonalizer(
-        tuple(resolve_coefficients(group["ns_coefficients"], _as_integer(group["ns_steps"]), group["preconditioner"])),
-        _as_real(group["eps"]), group["ns_dtype"] or default_ns_dtype(device),
-        group["ns_algorithm"], group["preconditioner"], _as_real(group["safety_factor"]), group["scale_eps"],
+        tuple(resolve_coefficients(group["ns_coefficients"], as_integer(group["ns_steps"]), group["preconditioner"])),
+        as_real(group["eps"]), group["ns_dtype"] or default_ns_dtype(device),
+        group["ns_algorithm"], group["preconditioner"], as_real(group["safety_factor"]), group["scale_eps"],
         dtype_is_default=group["ns_dtype"] is None)
-    return dict(lr=_learning_rate(group["lr"]), weight_decay=_as_real(group["weight_decay"]),
-                momentum=_as_real(group["momentum"]), nesterov=group["nesterov"], orthogonalizer=orthogonalizer,
+    return dict(lr=_learning_rate(group["lr"]), weight_decay=as_real(group["weight_decay"]),
+                momentum=as_real(group["momentum"]), nesterov=group["nesterov"], orthogonalizer=orthogonalizer,
                 adjust_lr_fn=group["adjust_lr_fn"], normalize_spatial=group["normalize_spatial"],
-                normalization=group["normalization"], normalization_beta=_as_real(group["adamw_betas"][1]))
+                normalization=group["normalization"], normalization_beta=as_real(group["adamw_betas"][1]))
 
 
 # The settings the Muon updates take one per parameter, where groups share a call.
@@ -640,8 +592,8 @@ class Muon(Optimizer):
         _validate_group(defaults)
         # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         self.process_group = process_group
-        self.qk_clip_threshold = check_threshold(qk_clip_threshold, _as_real(qk_clip_threshold))
-        _check_choice("offload", offload, OFFLOAD_TARGETS)
+        self.qk_clip_threshold = check_threshold(qk_clip_threshold)
+        check_choice("offload", offload, OFFLOAD_TARGETS)
         self.offload = offload
         super().__init__(params, defaults)
         self._say_where_offload_applies()
@@ -738,7 +690,7 @@ class Muon(Optimizer):
 
     @staticmethod
     def _adamw_lr(group: dict[str, Any]) -> float | Tensor:
-        return _learning_rate(group["lr"]) * _as_real(group["adamw_lr_scale"])
+        return _learning_rate(group["lr"]) * as_real(group["adamw_lr_scale"])
 
     def _check_step_inputs(self, group: dict[str, Any], option_keys: tuple[str, ...]
                            ) -> tuple[_Kept | None, tuple[list[MuonTensors], list[AdamWTensors]] | None]:
@@ -933,7 +885,7 @@ class Muon(Optimizer):
             (spread if is_spread(item.param, self.process_group) else local).append(item)
         if spread:
             self._pend(pending, distributed_muon_update, spread, process_group=self.process_group,
-                       comm_dtype=group["comm_dtype"], chunk_size=_as_integer(group["chunk_size"]), schedule=schedule,
+                       comm_dtype=group["comm_dtype"], chunk_size=as_integer(group["chunk_size"]), schedule=schedule,
                        **settings)
         if local:
             self._pend(pending, staged_muon_update, local, workspace=self._workspace, schedule=schedule, **settings)
@@ -989,8 +941,8 @@ class Muon(Optimizer):
         """One group's AdamW update, added to `pending` as `_muon_step` adds its Muon update."""
         weight_decay = group["adamw_weight_decay"]
         self._pend(pending, self._adamw_update, items, schedule=schedule, lr=self._adamw_lr(group),
-                   betas=tuple(map(_as_real, group["adamw_betas"])), eps=_as_real(group["adamw_eps"]),
-                   weight_decay=_as_real(group["weight_decay"] if weight_decay is None else weight_decay))
+                   betas=tuple(map(as_real, group["adamw_betas"])), eps=as_real(group["adamw_eps"]),
+                   weight_decay=as_real(group["weight_decay"] if weight_decay is None else weight_decay))
 
     def _adamw_update(self, items: list[AdamWTensors], *, schedule: StagedUpdates | None, **settings: Any) -> None:
         """The AdamW update of items whose `lr` and `weight_decay` are one for all or one per item."""
@@ -1028,6 +980,7 @@ class Muon(Optimizer):
         if qk_logits and not self.qk_clip:
             raise ValueError(f"Invalid qk_logits: {list(qk_logits)!r} given, but no qk_clip layers are configured")
         check_qk_logits(self.qk_clip, qk_logits or {})  # before any update: bad input changes nothing
+        threshold = check_threshold(self.qk_clip_threshold) if qk_logits else None  # an attribute, settable
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1055,7 +1008,7 @@ class Muon(Optimizer):
         if schedule is not None:
             schedule.run()
         if qk_logits:
-            qk_clip_(self.qk_clip, qk_logits, self.qk_clip_threshold, self.process_group)
+            clip_checked_(self.qk_clip, qk_logits, threshold, self.process_group)
         if hold:  # and the held items of groups no longer in the optimizer go
             self._held = {id(group): self._held[id(group)] for group in self.param_groups if id(group) in self._held}
             for each in self._held.values():

@@ -153,10 +153,12 @@ def small_matrix_macs() -> int:
     return SMALL_MATRIX_MACS["amx_bf16" if "amx_bf16" in cpu_matrix_units() else "avx512_bf16"]
 
 
-def matrix_ns_dtype(default: torch.dtype, device: torch.device, shape: Sequence[int]) -> torch.dtype:
+def matrix_ns_dtype(default: torch.dtype, device: torch.device | str, shape: Sequence[int]) -> torch.dtype:
     """The dtype `ns_dtype=None` iterates a stack of `shape` ((m, n) or (B, m, n)) in on `device`, where it resolves
     to `default` (`default_ns_dtype`): float32 for a lone matrix below `small_matrix_macs()` on a CPU whose default is
     16-bit, `default` everywhere else. Shapes and the CPU's units only: the same answer every time."""
+    if isinstance(device, str):  # a step passes its tensors' devices; a caller may name one
+        device = torch.device(device)
     if device.type != "cpu" or default.itemsize > 2 or (len(shape) == 3 and shape[0] != 1):
         return default
     short, long = min(shape[-2:]), max(shape[-2:])  # not sorted(): the compiler's tracer cannot sort sizes

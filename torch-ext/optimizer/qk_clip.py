@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .distributed.comm import mesh_group
 from .distributed.dtensors import is_dtensor, local_tensor, shard_dim
+from .option_values import as_real
 
 DEFAULT_THRESHOLD = 100.0  # Kimi K2's tau
 
@@ -51,10 +52,11 @@ class QKClipLayer:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
 
-def check_threshold(given: Any, value: float | None) -> float:
-    """`value`, the threshold `given` as a float (None where it is no real number), if it is finite and > 0."""
+def check_threshold(threshold: Any) -> float:
+    """The threshold as a float, if it is a finite number > 0 (in any form `as_real` reads)."""
+    value = as_real(threshold)
     if value is None or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"Invalid qk_clip_threshold: {given!r} (expected a finite number > 0)")
+        raise ValueError(f"Invalid qk_clip_threshold: {threshold!r} (expected a finite number > 0)")
     return value
 
 
@@ -63,8 +65,7 @@ def resolve_layers(layers: Mapping[Hashable, QKClipLayer],
     """The layers with parameter names replaced by the parameters, every shape checked."""
     resolved = {}
     for name, layer in layers.items():
-        if not isinstance(layer, QKClipLayer):
-            raise ValueError(f"Invalid qk_clip[{name!r}]: {layer!r} (expected a QKClipLayer)")
+        _check_type(name, layer)
         fields = {field: _resolve(name, field, getattr(layer, field), named)
                   for field in ("query", "key", "query_bias", "key_bias")}
         resolved[name] = replace(layer, **fields)
@@ -80,6 +81,11 @@ def _resolve(layer_name: Hashable, field: str, value: Tensor | str | None,
         raise ValueError(f"Invalid qk_clip[{layer_name!r}].{field}: {value!r} is not the name of a parameter of "
                          "this optimizer (name parameters with model.named_parameters() or muon_param_groups)")
     return named[value]
+
+
+def _check_type(name: Hashable, layer: Any) -> None:
+    if not isinstance(layer, QKClipLayer):
+        raise ValueError(f"Invalid qk_clip[{name!r}]: {layer!r} (expected a QKClipLayer)")
 
 
 def _check_layer(name: Hashable, layer: QKClipLayer) -> None:
@@ -99,6 +105,16 @@ def _check_layer(name: Hashable, layer: QKClipLayer) -> None:
             shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else tensor
             raise ValueError(f"Invalid qk_clip[{name!r}].{field}: shape {shape} (expected {ndim}D with "
                              f"{heads} * {layer.head_dim} = {heads * layer.head_dim} rows)")
+        _check_placements(f"qk_clip[{name!r}].{field}", tensor)
+
+
+def _check_placements(name: str, tensor: Tensor) -> None:
+    """A DTensor projection's placements are ones the clip finds its local rows under (`_local_rows`): checked when
+    the layers are given, not after a step's update."""
+    for placement in tensor.placements if is_dtensor(tensor) else ():
+        if not placement.is_replicate() and shard_dim(placement) is None:
+            raise ValueError(f"Invalid {name}: placement {placement!r} (QK-clip takes Shard(dim) and Replicate(); "
+                             "FSDP2 over tensor parallelism on the same dim makes _StridedShard, not yet supported)")
 
 
 def qk_clip_(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Hashable, Tensor], threshold: float,
@@ -106,8 +122,20 @@ def qk_clip_(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Hashable
     """Clips, in place, the layers named in `qk_logits` (layer key -> per-query-head max logits, shape
     (num_heads,)); layers not named are left alone. Logits are first reduced with MAX over the ranks that hold a
     layer's weights (a DTensor's mesh; `process_group` for replicated plain tensors), so every rank applies the
-    same scales: every such rank must pass the same keys. Non-finite logits clip nothing."""
+    same scales: every such rank must pass the same keys. Non-finite logits clip nothing. The threshold, the layers
+    named and the logits are checked before any weight changes."""
+    threshold = check_threshold(threshold)
     check_qk_logits(layers, qk_logits)
+    for name in qk_logits:
+        _check_type(name, layers[name])
+        _check_layer(name, layers[name])
+    clip_checked_(layers, qk_logits, threshold, process_group)
+
+
+def clip_checked_(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Hashable, Tensor], threshold: float,
+                  process_group: dist.ProcessGroup | None = None) -> None:
+    """`qk_clip_` of layers, logits and a threshold already checked (`Muon` checks its layers and threshold once and
+    the logits before its update)."""
     logits = {name: value.detach().to(device=local_tensor(layers[name].query).device, dtype=torch.float32,
                                       non_blocking=True)
               for name, value in qk_logits.items()}
@@ -182,10 +210,7 @@ def _local_rows(tensor: Tensor) -> Tensor | None:
     for mesh_dim, placement in enumerate(tensor.placements):
         if placement.is_replicate():
             continue
-        dim = shard_dim(placement)
-        if dim is None:
-            raise RuntimeError(f"QK-clip: a projection of shape {tuple(tensor.shape)} has placement {placement!r}; "
-                               "supported are Shard(dim) and Replicate()")
+        dim = shard_dim(placement)  # a Shard: `_check_placements`
         if dim % tensor.ndim != 0:
             continue
         if rows is None:  # made on the device: indexing the scales with it then needs no host-to-device copy

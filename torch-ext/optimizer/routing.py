@@ -146,8 +146,8 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
                 role = "adamw_no_decay"
             elif id(param) in embedding_weights or id(param) in heads:
                 role = "adamw"
-            elif isinstance(module, nn.Conv1d | nn.ConvTranspose1d):
-                role = "muon_conv1d"
+            elif isinstance(module, nn.Conv1d | nn.ConvTranspose1d):  # 3D: read as (out, in * k), not as experts
+                role = "muon_conv1d" if suits_muon(param.shape, "conv") else "adamw"
             else:
                 role = "muon" if suits_muon(param.shape) else "adamw"
             yield name, param, role

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..routing import matrix_view
+from ..newton_schulz import NS_ALGORITHMS
+from ..option_values import as_integer, check_choice, check_chunk_size, check_float_dtype, check_ns_steps
+from ..routing import CONV_MODES, PARAM_LAYOUTS, matrix_view
 from .assignment import COLUMNS, plan_spread, rank_flops
 from .dtensors import Placement
 from .layout import box_numel, sharded_layout
@@ -74,6 +76,8 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
     device type of the mesh ("cpu" meshes divide no matrix by columns, see `assignment.NO_COLUMN_DIVISION_ON`)."""
     from torch.distributed.tensor import Shard  # noqa: PLC0415 (torch.distributed is optional at import)
 
+    _check_plan_options(world, chunk_size, comm_dtype, ns_steps, ns_algorithm, ns_dtype, param_layout, conv_mode,
+                        mesh_device_type)
     placements = tuple(placements or (Shard(0),))
     mesh_shape = tuple(mesh_shape or (world,))
     if math.prod(mesh_shape) != world or len(mesh_shape) != len(placements):
@@ -137,3 +141,22 @@ def _times(flops: list[float], link_bytes: list[list[int]], collectives: int,
         serial = max(serial, compute + transfer)
         overlapped = max(overlapped, exposed + max(compute, transfer - exposed))
     return serial, overlapped
+
+
+def _check_plan_options(world: int, chunk_size: int | None, comm_dtype: torch.dtype, ns_steps: int, ns_algorithm: str,
+                        ns_dtype: torch.dtype, param_layout: str, conv_mode: str, mesh_device_type: str) -> None:
+    """`plan_step`'s arguments, Muon's options checked as Muon checks them."""
+    if not (as_integer(world) or 0) >= 1:
+        raise ValueError(f"Invalid world: {world!r} (expected an integer >= 1)")
+    check_chunk_size(chunk_size)
+    check_float_dtype("comm_dtype", comm_dtype)
+    check_ns_steps(ns_steps)
+    check_choice("ns_algorithm", ns_algorithm, NS_ALGORITHMS)
+    check_float_dtype("ns_dtype", ns_dtype)
+    check_choice("param_layout", param_layout, PARAM_LAYOUTS)
+    check_choice("conv_mode", conv_mode, CONV_MODES)
+    try:
+        torch.device(mesh_device_type)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Invalid mesh_device_type: {mesh_device_type!r} (expected a torch device type: 'cuda', "
+                         "'cpu', ...)") from None

@@ -176,10 +176,12 @@ def _share_box(chunk: list[SpreadItem], item: int, share: int) -> Box:
 
 def _my_update(item: SpreadItem, parts: list[tuple[Tensor, Box]], settings: SpreadSettings) -> Tensor:
     """This rank's shard of the item's orthogonalized update from its parts (from the shares this rank owns and
-    what their owners sent; none for an empty shard): a view when one part covers it, else assembled."""
+    what their owners sent; none for an empty shard): that part when one covers it, else assembled."""
     mine = item.layout.boxes[settings.rank]
     if len(parts) == 1 and parts[0][1] == mine:
-        return parts[0][0]
+        # Contiguous, as a received part is: a tall matrix's own part is a transposed view of its Newton-Schulz
+        # buffer, and replicas (DDP, Replicate) normalizing the two layouts reduced in different orders and drifted.
+        return parts[0][0].contiguous()
     update = torch.empty(box_shape(mine), dtype=settings.comm_dtype, device=item.grad.device)
     for part, box in parts:
         update[within(box, mine)] = part

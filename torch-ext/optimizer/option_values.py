@@ -1,0 +1,71 @@
+"""Option values in the forms users give them (Python, numpy and one-element tensor numbers, read as Python numbers
+by one rule), and the checks of the options that more than the optimizer's groups take."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def is_real_scalar(value: Tensor) -> bool:
+    return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+
+
+def as_real(value: Any) -> float | None:
+    """A Python, numpy or one-element tensor real number as a float; None for anything else (bool included).
+
+    torch optimizers take a tensor lr, so that a compiled training loop does not recompile as the schedule moves it,
+    and numpy scalars come from configuration libraries. Python floats and ints are answered before the `numbers.Real`
+    check, an abstract class's, which the step asks of every option of every group."""
+    if type(value) in (float, int):
+        return float(value)
+    if isinstance(value, Tensor):
+        return float(value) if is_real_scalar(value) else None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def as_integer(value: Any) -> int | None:
+    """A Python or numpy integer, or a one-element integer tensor, as an int; None for anything else (bool included)."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex()
+                                                                   or value.dtype == torch.bool)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # also a tensor of several elements
+        return None
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):  # not `in (False, True)`: 1 == True
+        raise ValueError(f"Invalid {name}: {value!r} (expected True or False)")
+
+
+def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(map(repr, allowed))})")
+
+
+def check_ns_steps(value: Any) -> int:
+    """Newton-Schulz steps as an int, if it is an integer in [1, 100]."""
+    steps = as_integer(value)
+    if steps is None or not 1 <= steps <= 100:
+        raise ValueError(f"Invalid ns_steps: {value!r} (expected an integer in [1, 100])")
+    return steps
+
+
+def check_chunk_size(value: Any) -> None:
+    if value is not None and not (as_integer(value) or 0) >= 1:
+        raise ValueError(f"Invalid chunk_size: {value!r} (expected None or an integer >= 1)")
+
+
+def check_float_dtype(name: str, value: Any, optional: bool = False) -> None:
+    if not (isinstance(value, torch.dtype) and value.is_floating_point) and not (optional and value is None):
+        raise ValueError(f"Invalid {name}: {value!r} (expected {'None or ' if optional else ''}a floating torch.dtype)")
