@@ -96,7 +96,7 @@ def decay_dtype(param_dtype: torch.dtype) -> torch.dtype:
     parameters (a float32 factor would round their decay by ~3e-8). Never a 16-bit one: bfloat16 rounds 1 - 0.002 to
     1 - 0.0039, which doubled a bfloat16 matrix's decay, and 1 - 0.0005 to 1 (no decay at all); torch.optim.Muon
     multiplies by the factor as a float32 number."""
-    return torch.promote_types(param_dtype, torch.float32)
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
 
 
 def decay_factors(skipped: Tensor, lr: LearningRate, weight_decay: float, param_dtype: torch.dtype) -> Tensor:
