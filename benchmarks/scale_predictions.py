@@ -9,6 +9,7 @@ inside an 8-GPU node. Writes the table to stdout and to benchmarks/results/scale
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,10 @@ def rows(optimizer) -> list[str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "scale-predictions.md",
+                        help="where the table is written besides stdout")
+    args = parser.parse_args()
     optimizer = get_local_kernel(REPO_ROOT / "build")
     started = time.perf_counter()
     lines = [__doc__.split("\n\n")[0].replace("\n", " "), "",
@@ -53,7 +58,7 @@ def main() -> None:
              f"(planned in {time.perf_counter() - started:.0f} s on this machine)"]
     text = "\n".join(lines)
     print(text)
-    (REPO_ROOT / "benchmarks" / "results" / "scale-predictions.md").write_text(text + "\n")
+    args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -168,3 +168,15 @@ def test_counts_move_by_torch_ops_where_their_launch_fails_after_the_update(monk
             if value is not None:
                 torch.testing.assert_close(getattr(item, name), value, rtol=0, atol=0, equal_nan=True, msg=name)
     assert functional._one_launch_failed == {torch.device(DEVICE).type}
+
+
+def test_one_launch_keeps_a_block_finite_when_a_square_overflows(monkeypatch) -> None:
+    # A finite gradient entry of 1e20 squares past float32: that second moment is infinite (as in torch's float32
+    # AdamW), and its block's scale, taken from it, made every other entry of the block 0 * inf = NaN.
+    items = _items("int8")
+    items[1].grad[0, 3] = 1e20
+    _step(items, monkeypatch, rounded_launch=True)
+    assert torch.isfinite(items[1].exp_avg_sq_scales).all()
+    assert not torch.isnan(items[1].param).any()
+    assert not torch.isnan(state_precision.working_copy("exp_avg_sq", items[1].exp_avg_sq.cpu(),
+                                                        items[1].exp_avg_sq_scales.cpu())).any()

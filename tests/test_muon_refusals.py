@@ -116,13 +116,18 @@ def test_a_number_in_a_form_not_taken_is_refused_by_its_type() -> None:
         Muon([torch.randn(4, 4)], lr=np.array(0.01))
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["first-step", "held-items"])
 @pytest.mark.parametrize("routed_to", ["muon", "adamw"])
 @pytest.mark.parametrize("bad", ["shape", "dtype"])
-def test_a_gradient_autograd_would_not_make_is_refused_before_any_update(routed_to: str, bad: str) -> None:
+def test_a_gradient_autograd_would_not_make_is_refused_before_any_update(routed_to: str, bad: str,
+                                                                         held: bool) -> None:
     # Put in through .data, a gradient of another shape or dtype on an AdamW-routed parameter was refused only by
     # the AdamW part's op, after the Muon part had written its updates.
     params = [torch.randn(8, 6), torch.randn(6)]
     opt = Muon(params, lr=0.02)
+    if held:  # a step before: the next one takes the items it held, with the new gradients
+        seeded_grads(params, 2)
+        opt.step()
     seeded_grads(params, 0)
     target = params[0] if routed_to == "muon" else params[1]
     wrong = torch.randn(2, *target.shape) if bad == "shape" else torch.randn(target.shape, dtype=torch.float64)

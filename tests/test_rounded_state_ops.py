@@ -252,6 +252,23 @@ def test_compiled_moment_ops_match_the_tensor_ops_bit_for_bit(key: str, form: st
                     assert torch.equal(out, stored)
 
 
+@pytest.mark.parametrize("key", ["momentum_buffer", "exp_avg", "exp_avg_sq"])
+def test_an_infinite_entry_leaves_its_blocks_finite(path, key: str) -> None:
+    # A second moment whose square overflowed float32 (a gradient entry of 1e20 is finite): its block's scale was
+    # infinite, and every other entry of the block loaded as 0 * inf = NaN, then the parameters' next update.
+    native, device = path
+    values = torch.full((2, BLOCK), 1e-3, device=device)
+    values[0, 5] = math.inf
+    stored = torch.zeros(values.shape, dtype=torch.int8, device=device)
+    scales = torch.zeros(state_precision.scales_shape(values.shape), device=device)
+    native.store_moment_(key, stored, scales, values, torch.tensor(5, device=device), torch.tensor(1.0, device=device),
+                         None)
+    loaded = native.load_moment(key, stored, scales).cpu()
+    assert torch.isfinite(scales).all() and not torch.isnan(loaded).any()
+    assert loaded[0, 5] >= 0.99 * torch.finfo(torch.float32).max  # the largest code at the largest finite scale
+    assert torch.allclose(loaded[1].double(), values[1].cpu().double(), rtol=0.13)  # the other block as it was
+
+
 @pytest.mark.parametrize("key, form", MOMENT_CODES)
 def test_a_stored_moment_loads_within_one_step_of_its_values(path, key: str, form: str) -> None:
     native, device = path

@@ -17,6 +17,12 @@ constexpr uint32_t kGolden = 0x9E3779B9u;  // 2^32 / golden ratio: consecutive c
 constexpr float kLinearMax = 127.0f;       // int8 linear codes run -127..127
 constexpr float kE4m3Max = 448.0f;         // float8 e4m3's largest value
 constexpr float kE4m3MinNormal = 0x1p-6f;  // below it, e4m3 values are evenly spaced, 2^-9 apart
+constexpr float kFloatMax = 0x1.fffffep127f;
+
+// A block's largest magnitude as its scale is formed from: an infinite one (a second moment whose square overflowed
+// float32) as float32's largest, so the block keeps a finite scale, that entry the largest code and the others their
+// codes, where an infinite scale decoded them as 0 * inf = NaN; a NaN stays NaN.
+MUON_HOST_DEVICE float finite_largest(float largest) { return largest == INFINITY ? kFloatMax : largest; }
 
 // MurmurHash3's 32-bit finalizer: every input bit flips about half of the output bits.
 MUON_HOST_DEVICE uint32_t mix(uint32_t word) {

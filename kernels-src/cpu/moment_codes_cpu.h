@@ -72,7 +72,7 @@ C10_ALWAYS_INLINE void store_block(int8_t* __restrict__ codes, float* __restrict
   for (int64_t t = 0; t < length; ++t) {
     largest_bits = std::max(largest_bits, muon_rounding::float_bits(values[t]) & 0x7FFFFFFFu);
   }
-  const float largest = muon_rounding::bits_float(largest_bits);
+  const float largest = muon_rounding::finite_largest(muon_rounding::bits_float(largest_bits));
   int8_t* __restrict__ block = codes + first;
   if (kind == MomentCode::kLinear) {
     const float new_scale = largest / muon_rounding::kLinearMax;

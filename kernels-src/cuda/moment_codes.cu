@@ -79,7 +79,8 @@ __global__ void __launch_bounds__(kBlockThreads)
       coded = kCode == Int8Code::kE4m3Root ? __fsqrt_rn(values[j]) : values[j];
     }
     // Every thread reaches the barriers inside, those past the line's end too.
-    const float scale = __fdiv_rn(block_max<kBlockThreads>(fabsf(coded), partial), kLargestCode);
+    const float scale = __fdiv_rn(muon_rounding::finite_largest(block_max<kBlockThreads>(fabsf(coded), partial)),
+                                  kLargestCode);
     if (inside) {
       const uint32_t bits = muon_rounding::random_bits(position(j), rounding_count);
       if constexpr (kCode == Int8Code::kLinear) {

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kQuantCtaThreads)
       }
       largest = max_with_nan(largest, fabsf(value[i]));
     }
-    const float scale = warp_max(largest) / muon_rounding::kLinearMax;
+    const float scale = muon_rounding::finite_largest(warp_max(largest)) / muon_rounding::kLinearMax;
 #pragma unroll
     for (int i = 0; i < kQuantLaneEntries; ++i) {
       const int64_t column = first_column + i * kWarp + lane;

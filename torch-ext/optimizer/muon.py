@@ -411,19 +411,20 @@ _LAYOUT_OPTIONS = ("use_muon", "param_layout", "conv_mode", "state_dtype", "norm
 class _HeldItems:
     """A group's step items as a step gathered them (`Muon._gather`), kept for the steps after: while the group's
     parameters are the same, of the same dtypes (`model.double()` changes them in place), with gradients where they
-    had them, its `_LAYOUT_OPTIONS` the same, and each parameter's state holds the same tensors under the same keys,
-    a step takes these items with the new gradients instead of checking, preparing and gathering each parameter's
-    state again. GPT-2 small's 97 AdamW tensors at 1/96 width: the check, preparation and gathering took ~320 µs of
-    the AdamW part's ~600 µs of host time, this check ~70 (2-core AMD EPYC). A state tensor replaced, a parameter's
-    state dropped or loaded, a layout option changed: the step gathers afresh."""
+    had them, of those dtypes and shapes (`.grad.data` can change them), its `_LAYOUT_OPTIONS` the same, and each
+    parameter's state holds the same tensors under the same keys, a step takes these items with the new gradients
+    instead of checking, preparing and gathering each parameter's state again. GPT-2 small's 97 AdamW tensors at
+    1/96 width: the check, preparation and gathering took ~320 µs of the AdamW part's ~600 µs of host time, this
+    check ~70 (2-core AMD EPYC). A state tensor replaced, a parameter's state dropped or loaded, a layout option
+    changed: the step gathers afresh."""
 
     params: list[Tensor]  # the group's own list
     options: tuple  # the group's _LAYOUT_OPTIONS
     state: Mapping[Tensor, dict[str, Any]]  # the optimizer's state mapping
-    # Per parameter: itself and its dtype, and with a gradient, its state dict, the keys its item was read from, their
-    # values then (`_MUON_STATE`, `_ADAMW_STATE`, as `_state_keys` leaves them) and its item.
-    entries: list[tuple[Tensor, torch.dtype, dict[str, Any] | None, tuple[str | None, ...], tuple[Tensor | None, ...],
-                        MuonTensors | AdamWTensors | None]]
+    # Per parameter: itself, its dtype and shape, and with a gradient, its state dict, the keys its item was read from,
+    # their values then (`_MUON_STATE`, `_ADAMW_STATE`, as `_state_keys` leaves them) and its item.
+    entries: list[tuple[Tensor, torch.dtype, torch.Size, dict[str, Any] | None, tuple[str | None, ...],
+                        tuple[Tensor | None, ...], MuonTensors | AdamWTensors | None]]
     muon_items: list[MuonTensors]
     adamw_items: list[AdamWTensors]
 
@@ -435,13 +436,15 @@ class _HeldItems:
         if (params is not self.params or len(params) != len(self.entries) or state is not self.state
                 or not all(map(operator.is_, map(group.get, _LAYOUT_OPTIONS), self.options))):
             return None
-        for param, (held, dtype, param_state, keys, values, item) in zip(params, self.entries):
+        for param, (held, dtype, shape, param_state, keys, values, item) in zip(params, self.entries):
             grad = param.grad
             if held is not param or param.dtype is not dtype or (grad is None) != (item is None):
                 return None
             if item is None:
                 continue
-            if (grad.is_sparse or state.get(param) is not param_state
+            # A gradient of another dtype or shape goes to the full check (`Muon._check_gradients`), which refuses it.
+            if (grad.is_sparse or grad.dtype is not dtype or grad.shape != shape
+                    or state.get(param) is not param_state
                     or not all(map(operator.is_, map(param_state.get, keys), values))):
                 return None
             item.grad = grad
@@ -698,7 +701,7 @@ class Muon(Optimizer):
         value may have been changed since construction, and a gradient may be of a kind Muon refuses. Returns what
         steps keep from the group's options, or None where they keep nothing (`_checked_options`), and the group's
         items held from an earlier step where they still hold (`_HeldItems`, whatever options other than the layout's
-        changed; their gradients need no check: each is of its parameter's dtype, and a sparse one ends the hold)."""
+        changed; a gradient sparse, or of another dtype or shape than its parameter held, ends the hold)."""
         kept = self._checked_options(group, option_keys)
         # Not while tracing (dynamo up to torch 2.11 cannot trace id() of a dict): a compiled step gathers each time.
         held = None if torch.compiler.is_compiling() else self._held.get(id(group))
@@ -799,7 +802,7 @@ class Muon(Optimizer):
         tensor the same object."""
         muon_items: list[MuonTensors] = []
         adamw_items: list[AdamWTensors] = []
-        entries: list[tuple[Tensor, torch.dtype, dict[str, Any] | None, tuple[str | None, ...],
+        entries: list[tuple[Tensor, torch.dtype, torch.Size, dict[str, Any] | None, tuple[str | None, ...],
                             tuple[Tensor | None, ...], MuonTensors | AdamWTensors | None]] = []
         # Not asked while torch.compile traces (`hold` False): dynamo warns at every cached function it traces.
         muon_keys, adamw_keys = ((_state_keys(group, _MUON_STATE), _state_keys(group, _ADAMW_STATE)) if hold
@@ -808,7 +811,7 @@ class Muon(Optimizer):
         for param in group["params"]:
             grad = param.grad
             if grad is None:
-                entries.append((param, param.dtype, None, (), (), None))
+                entries.append((param, param.dtype, param.shape, None, (), (), None))
                 continue
             view = _view(group, param)
             if view is not None:
@@ -826,7 +829,7 @@ class Muon(Optimizer):
                                     exp_avg_sq_scales)
                 adamw_items.append(item)
             start += count
-            entries.append((param, param.dtype, self.state[param] if hold else None, keys, values, item))
+            entries.append((param, param.dtype, param.shape, self.state[param] if hold else None, keys, values, item))
         if hold:
             self._held[id(group)] = _HeldItems(group["params"], tuple(map(group.get, _LAYOUT_OPTIONS)), self.state,
                                                entries, muon_items, adamw_items)

@@ -149,9 +149,12 @@ def advance_counts_(rounding_counts: Sequence[Tensor], taken: Tensor) -> None:
 def _quantized(value: Tensor, count: Tensor, position: Tensor, largest_code: float,
                codes_of: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
     """(int8 codes of value's shape, float32 scales): each block scaled so its largest magnitude is the largest code,
-    then `codes_of(scaled, random bits)`."""
+    then `codes_of(scaled, random bits)`. An infinite largest magnitude (a second moment whose square overflowed
+    float32) counts as float32's largest, so the block keeps a finite scale, that entry the largest code and the
+    others their codes: an infinite scale decoded them as 0 * inf = NaN, the whole block's parameters' next update."""
     blocks = _blocks(value)
-    scales = blocks.abs().amax(dim=-1) / largest_code
+    largest = blocks.abs().amax(dim=-1)
+    scales = torch.where(largest == math.inf, torch.finfo(torch.float32).max, largest) / largest_code
     scaled = torch.where(scales.unsqueeze(-1) > 0, blocks / scales.unsqueeze(-1), 0.0)
     codes = codes_of(scaled, _random_bits(count, _blocks(position)))
     return _unblocked(codes, value.shape), scales

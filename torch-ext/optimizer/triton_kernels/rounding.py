@@ -86,5 +86,7 @@ def e4m3_block_codes(values, bits):
 @triton.jit
 def _largest_magnitude(values):
     """Each row's largest magnitude, as the largest of the magnitudes' bit patterns, which order as the values do, a
-    NaN above all (as the compiled ops take it, and torch.amax)."""
-    return tl.max(values.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
+    NaN above all (as the compiled ops take it, and torch.amax); an infinite one as float32's largest (see
+    `state_precision._quantized`)."""
+    largest = tl.max(values.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    return tl.where(largest == 0x7F800000, 0x7F7FFFFF, largest).to(tl.float32, bitcast=True)
