@@ -171,6 +171,12 @@ def test_the_clip_function_refuses_a_threshold_the_optimizer_refuses(threshold) 
     assert torch.equal(wq.detach(), before)
 
 
+def test_the_clip_function_says_it_takes_tensors_where_it_is_given_names() -> None:
+    layer = QKClipLayer("blocks.0.attn.q.weight", "blocks.0.attn.k.weight", num_heads=2, head_dim=HEAD_DIM)
+    with pytest.raises(ValueError, match="parameter's name, which only Muon resolves"):
+        optimizer.qk_clip_({0: layer}, {0: torch.tensor([5.0, 50.0])}, 10.0)
+
+
 def test_the_clip_function_refuses_a_layer_whose_weights_do_not_fit_its_heads() -> None:
     _, wq, wk, _, _ = attention_weights(2, 2, seed=1)
     layer = QKClipLayer(wq, wk, num_heads=1, head_dim=1)  # 8 rows, where one head of one row was declared

@@ -101,6 +101,9 @@ def _check_layer(name: Hashable, layer: QKClipLayer) -> None:
         tensor = getattr(layer, field)
         if tensor is None and ndim == 1:
             continue
+        if isinstance(tensor, str):
+            raise ValueError(f"Invalid qk_clip[{name!r}].{field}: {tensor!r} is a parameter's name, which only Muon "
+                             "resolves (qk_clip_ takes the tensors)")
         if not isinstance(tensor, Tensor) or tensor.ndim != ndim or tensor.shape[0] != heads * layer.head_dim:
             shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else tensor
             raise ValueError(f"Invalid qk_clip[{name!r}].{field}: shape {shape} (expected {ndim}D with "
