@@ -171,6 +171,11 @@ def test_the_clip_function_refuses_a_threshold_the_optimizer_refuses(threshold) 
     assert torch.equal(wq.detach(), before)
 
 
+def test_the_clip_function_refuses_what_is_not_a_layer() -> None:
+    with pytest.raises(ValueError, match=r"qk_clip\[0\]: 'attention' \(expected a QKClipLayer\)"):
+        optimizer.qk_clip_({0: "attention"}, {0: torch.tensor([5.0, 50.0])}, 10.0)
+
+
 def test_the_clip_function_says_it_takes_tensors_where_it_is_given_names() -> None:
     layer = QKClipLayer("blocks.0.attn.q.weight", "blocks.0.attn.k.weight", num_heads=2, head_dim=HEAD_DIM)
     with pytest.raises(ValueError, match="parameter's name, which only Muon resolves"):

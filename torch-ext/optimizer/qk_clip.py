@@ -130,7 +130,6 @@ def qk_clip_(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Hashable
     threshold = check_threshold(threshold)
     check_qk_logits(layers, qk_logits)
     for name in qk_logits:
-        _check_type(name, layers[name])
         _check_layer(name, layers[name])
     clip_checked_(layers, qk_logits, threshold, process_group)
 
@@ -152,6 +151,7 @@ def check_qk_logits(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[H
     for name, value in qk_logits.items():
         if name not in layers:
             raise ValueError(f"Invalid qk_logits key {name!r}: no such QK-clip layer (configured: {list(layers)})")
+        _check_type(name, layers[name])
         heads = layers[name].num_heads
         if not isinstance(value, Tensor) or tuple(value.shape) != (heads,):
             shape = tuple(value.shape) if isinstance(value, Tensor) else value
