@@ -158,6 +158,11 @@ _NONE_MEANS = {"adamw_lr_scale": 1.0, "adamw_betas": (0.9, 0.95)}
 _OPTIMIZER_OPTIONS = ("offload", "process_group", "qk_clip", "qk_clip_threshold")
 
 
+def _param_names(group: dict[str, Any]) -> list[str]:
+    """The group's parameter names for messages: `param_names`, else their positions (#0, #1, ...)."""
+    return group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
+
+
 def _none_resolved(group: dict[str, Any]) -> dict[str, Any]:
     """The group with the `_NONE_MEANS` options it gives as None set to what None stands for."""
     return {**group, **{key: value for key, value in _NONE_MEANS.items() if key in group and group[key] is None}}
@@ -203,8 +208,7 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     check_bool("scale_eps", group["scale_eps"])
     check_bool("normalize_spatial", group["normalize_spatial"])
     check_choice("param_layout", group["param_layout"], PARAM_LAYOUTS)
-    if group["use_muon"] is not None and not isinstance(group["use_muon"], bool):  # 0 == False, but 0 is not False
-        raise ValueError(f"Invalid use_muon: {group['use_muon']!r} (expected None, True or False)")
+    check_bool("use_muon", group["use_muon"], optional=True)
     check_float_dtype("ns_dtype", group["ns_dtype"], optional=True)
     check_float_dtype("comm_dtype", group["comm_dtype"])
     check_chunk_size(group["chunk_size"])
@@ -663,8 +667,7 @@ class Muon(Optimizer):
 
     def _log_routing(self, group: dict[str, Any]) -> None:
         """timm's `verbose`: where each parameter of a new group goes, and why (logged at INFO)."""
-        names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
-        for name, param in zip(names, group["params"]):
+        for name, param in zip(_param_names(group), group["params"]):
             view = _view(group, param)
             if group["use_muon"] is not None:
                 reason = f"use_muon={group['use_muon']} in its group"
@@ -734,8 +737,7 @@ class Muon(Optimizer):
         only matrices or stacks of them."""
         if group["use_muon"] is not True:
             return
-        names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
-        for name, param in zip(names, group["params"]):
+        for name, param in zip(_param_names(group), group["params"]):
             check_forced_muon(name, param.shape)
 
     def _checked_options(self, group: dict[str, Any], option_keys: tuple[str, ...]) -> _Kept | None:

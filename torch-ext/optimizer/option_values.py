@@ -42,9 +42,9 @@ def as_integer(value: Any) -> int | None:
         return None
 
 
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):  # not `in (False, True)`: 1 == True
-        raise ValueError(f"Invalid {name}: {value!r} (expected True or False)")
+def check_bool(name: str, value: Any, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):  # not `in (False, True)`: 1 == True
+        raise ValueError(f"Invalid {name}: {value!r} (expected {'None, ' if optional else ''}True or False)")
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:

@@ -153,8 +153,7 @@ def _quantized(value: Tensor, count: Tensor, position: Tensor, largest_code: flo
     float32) counts as float32's largest, so the block keeps a finite scale, that entry the largest code and the
     others their codes: an infinite scale decoded them as 0 * inf = NaN, the whole block's parameters' next update."""
     blocks = _blocks(value)
-    largest = blocks.abs().amax(dim=-1)
-    scales = torch.where(largest == math.inf, torch.finfo(torch.float32).max, largest) / largest_code
+    scales = blocks.abs().amax(dim=-1).clamp_(max=torch.finfo(torch.float32).max) / largest_code  # a NaN stays
     scaled = torch.where(scales.unsqueeze(-1) > 0, blocks / scales.unsqueeze(-1), 0.0)
     codes = codes_of(scaled, _random_bits(count, _blocks(position)))
     return _unblocked(codes, value.shape), scales
