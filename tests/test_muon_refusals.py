@@ -188,26 +188,35 @@ def _codes_without_scales(state: dict[str, Any]) -> None:
 
 
 def _values_with_scales(state: dict[str, Any]) -> None:
-    state["momentum_buffer"] = state["momentum_buffer"].float()
+    state["momentum_buffer"] = state.pop("momentum_buffer_codes").float()
 
 
 def _scales_without_codes(state: dict[str, Any]) -> None:
-    del state["momentum_buffer"]
+    del state["momentum_buffer_codes"]
     state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64)
 
 
 def _no_moments(state: dict[str, Any]) -> None:
-    del state["momentum_buffer"], state["momentum_buffer_scale"]
+    del state["momentum_buffer_codes"], state["momentum_buffer_scale"]
 
 
 def _integer_values(state: dict[str, Any]) -> None:
-    state["momentum_buffer"] = state["momentum_buffer"].to(torch.int32)
+    state["momentum_buffer"] = state.pop("momentum_buffer_codes").to(torch.int32)
     del state["momentum_buffer_scale"]
+
+
+def _codes_beside_values(state: dict[str, Any]) -> None:
+    state["momentum_buffer"] = state["momentum_buffer_codes"].float()
+
+
+def _codes_of_another_dtype(state: dict[str, Any]) -> None:
+    state["momentum_buffer_codes"] = state["momentum_buffer_codes"].to(torch.uint8)
 
 
 SPOILED = {"codes_without_scales": _codes_without_scales, "values_with_scales": _values_with_scales,
            "scales_without_codes": _scales_without_codes, "no_moments": _no_moments,
-           "integer_values": _integer_values}
+           "integer_values": _integer_values, "codes_beside_values": _codes_beside_values,
+           "codes_of_another_dtype": _codes_of_another_dtype}
 
 
 @pytest.mark.parametrize("spoil", SPOILED)

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from kernel_under_test import load_fallback_variant, optimizer, submodule
 
@@ -123,6 +127,8 @@ def train(param: torch.Tensor, steps: int, seed: int = 0, **options) -> Muon:
     """`steps` steps of Muon on `param` and two AdamW tensors beside it: a matrix and a vector (whose moments
     "int8" keeps in bfloat16)."""
     beside = [torch.zeros(8, param.shape[-1], dtype=param.dtype), torch.zeros(param.shape[-1], dtype=param.dtype)]
+    if isinstance(param, torch.nn.Parameter):  # DCP's state-dict helpers name a module's parameters only
+        beside = [torch.nn.Parameter(tensor) for tensor in beside]
     opt = Muon([dict(params=[param]), dict(params=beside, use_muon=False)], lr=0.02, **options)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -255,9 +261,12 @@ def test_a_checkpoint_saves_the_moments_as_they_are_and_resumes_exactly(state_dt
     train(through, 6, state_dtype=state_dtype)
     opt = train(first, 3, state_dtype=state_dtype)
     saved = opt.state_dict()
-    stored = {str(value.dtype) for state in saved["state"].values() for key, value in state.items()
-              if key in MOMENT_KEYS}
-    assert stored == ({"torch.int8", "torch.bfloat16"} if state_dtype == "int8" else {"torch.bfloat16"})
+    stored = {(key, value.dtype) for state in saved["state"].values() for key, value in state.items()
+              if key.removesuffix("_codes") in MOMENT_KEYS}
+    # 8-bit codes under keys of their own, the vector's moments (and every moment of bfloat16 state) under theirs.
+    assert stored == {("momentum_buffer_codes", torch.int8), ("exp_avg_codes", torch.int8),
+                      ("exp_avg_sq_codes", torch.int8), ("exp_avg", torch.bfloat16), ("exp_avg_sq", torch.bfloat16)
+                      } if state_dtype == "int8" else {(key, torch.bfloat16) for key in MOMENT_KEYS}
     copies = [p.clone() for p in all_params(opt)]
     copies[0] = first.clone()
     resumed = Muon([dict(params=copies[:1]), dict(params=copies[1:], use_muon=False)], lr=0.02)
@@ -302,6 +311,75 @@ def test_the_moments_follow_a_change_of_state_dtype(start, switch_to) -> None:
             rtol = 2 * {None: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, "int8": 2.0 ** -3}[form]
             atol = rtol * largest / 128
         torch.testing.assert_close(working_copy(opt, p, key), beta * values[p], rtol=rtol, atol=atol)
+
+
+def dcp_round_trip(saved: Muon, loading: Muon, path: Path) -> None:
+    """`saved`'s state into `loading` through torch.distributed.checkpoint, as a training loop resumes (one process,
+    no process group): `loading`'s own state dict is the template DCP loads into."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # as it should be here
+        dcp.save({"optimizer": get_optimizer_state_dict(_Parameters(all_params(saved)), saved)}, checkpoint_id=path)
+        holder = _Parameters(all_params(loading))
+        state = {"optimizer": get_optimizer_state_dict(holder, loading)}
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(holder, loading, state["optimizer"])
+
+
+class _Parameters(torch.nn.Module):
+    """The module DCP's state-dict helpers name parameters by."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterList(params)
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [("int8", None), ("int8", torch.bfloat16), (None, "int8")])
+def test_dcp_refuses_a_checkpoint_of_another_form_rather_than_loading_codes_as_values(saved_as, loaded_as,
+                                                                                     tmp_path: Path) -> None:
+    # DCP loads into the optimizer's own state, cast to its dtype: 8-bit codes under the moment's key loaded into
+    # float32 state as values (a momentum a million times its size) and their scales were dropped, silently.
+    saved = train(torch.nn.Parameter(torch.randn(8, 300)), 2, state_dtype=saved_as)
+    loading = train(torch.nn.Parameter(torch.randn(8, 300)), 1, state_dtype=loaded_as)
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint"):
+        dcp_round_trip(saved, loading, tmp_path)
+
+
+@pytest.mark.parametrize("saved_as,switch_to", [("int8", None), ("int8", torch.bfloat16), (None, "int8")])
+def test_a_state_dtype_change_between_runs_through_dcp(saved_as, switch_to, tmp_path: Path) -> None:
+    """The README's way: resume with the saved state_dtype, then change it (converted at the next step): the same
+    parameters and state as loading the optimizer's own state dict in memory, bit for bit."""
+    start = torch.randn(8, 300)
+    saved = train(torch.nn.Parameter(start.clone()), 2, state_dtype=saved_as)
+    through_dcp = train(torch.nn.Parameter(start.clone()), 1, seed=1, state_dtype=saved_as)
+    dcp_round_trip(saved, through_dcp, tmp_path)
+    in_memory = train(torch.nn.Parameter(start.clone()), 1, seed=1, state_dtype=saved_as)
+    in_memory.load_state_dict(saved.state_dict())
+    for opt in (through_dcp, in_memory):
+        for group in opt.param_groups:
+            group["state_dtype"] = switch_to
+        for p, q in zip(all_params(opt), all_params(saved)):
+            with torch.no_grad():
+                p.copy_(q)
+            p.grad = torch.ones_like(p)
+        opt.step()
+    for p, q in zip(all_params(through_dcp), all_params(in_memory)):
+        assert torch.equal(p, q)
+        assert through_dcp.state[p].keys() == in_memory.state[q].keys()
+        for key, value in in_memory.state[q].items():
+            assert torch.equal(through_dcp.state[p][key], value) and through_dcp.state[p][key].dtype == value.dtype
+
+
+def test_a_checkpoint_with_codes_under_the_moments_own_key_still_loads() -> None:
+    """Checkpoints saved before the codes had a key of their own."""
+    opt = train(torch.randn(8, 300), 2, state_dtype="int8")
+    saved = opt.state_dict()
+    old_form = {**saved, "state": {index: {key.removesuffix("_codes"): value for key, value in state.items()}
+                                   for index, state in saved["state"].items()}}
+    resumed = train(torch.randn(8, 300), 1, state_dtype="int8")
+    resumed.load_state_dict(old_form)
+    for p, q in zip(all_params(resumed), all_params(opt)):
+        for key, value in opt.state[q].items():
+            assert torch.equal(resumed.state[p][key], value), key
 
 
 def working_copy(opt: Muon, param: torch.Tensor, key: str) -> torch.Tensor:

@@ -36,8 +36,8 @@ from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import (DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, clip_checked_,
                       resolve_layers)
 from .routing import CONV_MODES, PARAM_LAYOUTS, MatrixView, check_forced_muon, muon_view
-from .state_precision import (MOMENT_KEYS, STATE_DTYPES, is_quantized, rounds_stochastically, scale_key, scales_shape,
-                              store_, stored_dtype, working_copy)
+from .state_precision import (MOMENT_KEYS, STATE_DTYPES, codes_key, is_quantized, rounds_stochastically, scale_key,
+                              scales_shape, store_, stored_dtype, working_copy)
 from .workspace import Workspace
 
 # What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
@@ -276,6 +276,32 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
                                  f"{tuple(param.shape)})")
 
 
+def _codes_named(state: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's state as its state dict holds it: 8-bit codes under `codes_key` (the same dict where none)."""
+    if not any(isinstance(state.get(key), Tensor) and state[key].dtype == torch.int8 for key in MOMENT_KEYS):
+        return state
+    return {codes_key(key) if key in MOMENT_KEYS and value.dtype == torch.int8 else key: value
+            for key, value in state.items()}
+
+
+def _codes_as_kept(saved_id: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved parameter's state with its 8-bit codes back under their moment's key, where a step reads them (a
+    checkpoint from before the codes had a key of their own holds them there already)."""
+    where = f"Invalid state_dict: parameter {saved_id!r} has"
+    kept = dict(saved)
+    for key in MOMENT_KEYS:
+        if codes_key(key) not in saved:
+            continue
+        codes = kept.pop(codes_key(key))
+        if key in saved:
+            raise ValueError(f"{where} both {key!r} and {codes_key(key)!r} (its 8-bit codes)")
+        if not isinstance(codes, Tensor) or codes.dtype != torch.int8:
+            found = codes.dtype if isinstance(codes, Tensor) else type(codes).__name__
+            raise ValueError(f"{where} {codes_key(key)!r} of {found} (8-bit codes are torch.int8)")
+        kept[key] = codes
+    return kept
+
+
 def _check_saved_moments(saved_id: Any, saved: dict[str, Any]) -> None:
     """A parameter's saved state holds its moments (state without them would restart them from zero), each a float
     tensor, or 8-bit codes (int8) with their block scales beside them and only then (codes read without their scales
@@ -286,11 +312,11 @@ def _check_saved_moments(saved_id: Any, saved: dict[str, Any]) -> None:
     for key, scales_key in (*_MUON_MOMENTS, *_ADAMW_MOMENTS):
         moment, scales = saved.get(key), saved.get(scales_key)
         if moment is None and scales is not None:
-            raise ValueError(f"{where} {scales_key!r} without {key!r}")
+            raise ValueError(f"{where} {scales_key!r} without the codes they scale ({codes_key(key)!r})")
         if not isinstance(moment, Tensor):
             continue  # absent, or refused with its shape by the caller
         if moment.dtype == torch.int8 and scales is None:
-            raise ValueError(f"{where} {key!r} as 8-bit codes without their scales {scales_key!r}")
+            raise ValueError(f"{where} 8-bit codes of {key!r} without their scales {scales_key!r}")
         if moment.dtype != torch.int8 and scales is not None:
             raise ValueError(f"{where} {scales_key!r} beside a {moment.dtype} {key!r}, which is not 8-bit codes")
         if moment.dtype != torch.int8 and not moment.is_floating_point():
@@ -1049,6 +1075,22 @@ class Muon(Optimizer):
         """How many parameter updates were skipped because a gradient had a NaN or Inf (syncs with the device)."""
         return int(sum(int(state["nonfinite_skips"]) for state in self.state.values() if "nonfinite_skips" in state))
 
+    def state_dict(self) -> dict[str, Any]:
+        # torch's, with 8-bit codes under keys of their own (`codes_key`) before the post-hooks see it, so that a hook
+        # sees what a checkpoint will hold.
+        post_hooks, self._optimizer_state_dict_post_hooks = self._optimizer_state_dict_post_hooks, OrderedDict()
+        try:
+            state_dict = super().state_dict()
+        finally:  # the same dict object again, so the hooks' removal handles still work
+            self._optimizer_state_dict_post_hooks = post_hooks
+        state_dict = {**state_dict, "state": {index: _codes_named(state)
+                                              for index, state in state_dict["state"].items()}}
+        for hook in post_hooks.values():
+            adapted = hook(self, state_dict)
+            if adapted is not None:
+                state_dict = adapted
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The load pre-hooks run first, as in torch, so that a hook can adapt a checkpoint (rename parameters,
         # reshape state) before the matching and checks below see it; torch's own pass over them is then skipped.
@@ -1065,6 +1107,8 @@ class Muon(Optimizer):
                                                                         saved.get("initial_lr", saved["lr"]))
                                                      for saved in state_dict["param_groups"]]}
         state_dict = _aligned_by_name(state_dict, self.param_groups)
+        state_dict = {**state_dict, "state": {saved_id: _codes_as_kept(saved_id, saved)
+                                              for saved_id, saved in state_dict["state"].items()}}
         state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved}
                                                      for saved in state_dict["param_groups"]]}
         for saved in state_dict["param_groups"]:
