@@ -36,8 +36,8 @@ from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import (DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, clip_checked_,
                       resolve_layers)
 from .routing import CONV_MODES, PARAM_LAYOUTS, MatrixView, check_forced_muon, muon_view
-from .state_precision import (MOMENT_KEYS, STATE_DTYPES, codes_key, is_quantized, rounds_stochastically, scale_key,
-                              scales_shape, store_, stored_dtype, working_copy)
+from .state_precision import (MOMENT_KEYS, STATE_DTYPES, is_quantized, rounds_stochastically, scale_key, scales_shape,
+                              store_, stored_dtype, working_copy)
 from .workspace import Workspace
 
 # What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
@@ -168,6 +168,39 @@ def _none_resolved(group: dict[str, Any]) -> dict[str, Any]:
     return {**group, **{key: value for key, value in _NONE_MEANS.items() if key in group and group[key] is None}}
 
 
+def _refuse_optimizer_options(group: dict[str, Any]) -> None:
+    for key in _OPTIMIZER_OPTIONS:
+        if key in group:
+            raise ValueError(f"Invalid param group key {key!r}: {key} is an option of the whole optimizer, not of a "
+                             "param group (give it to Muon(...))")
+
+
+def _entered(group: dict[str, Any], reference_lr: Any) -> dict[str, Any]:
+    """The group in the form groups keep: timm's spellings, `adamw_lr` and the Nones of `_NONE_MEANS` resolved."""
+    _refuse_optimizer_options(group)
+    return _none_resolved(_adamw_lr_as_scale(_from_timm_spellings(group), reference_lr))
+
+
+# Keys a group only enters with, each with the key `_entered` turns it into (or None: refused).
+_ENTRY_KEYS = {**_TIMM_KEYS, "use_fallback": "use_muon", "algo": "normalization", "adamw_lr": "adamw_lr_scale",
+               **dict.fromkeys(_OPTIMIZER_OPTIONS)}
+
+
+def _reenter_(group: dict[str, Any]) -> None:
+    """A group given, between steps, a key or value it could only enter with (a training loop setting timm's
+    `betas`, `adamw_lr`, or `adamw_betas = None`): resolved in place as if it entered so, where it would be kept and
+    never read. (A group that enters in the kept form, as each does, is left as it is.)"""
+    if (_ENTRY_KEYS.keys().isdisjoint(group) and all(group[key] is not None for key in _NONE_MEANS)
+            and not any(group[key] == value for key, value in _TIMM_VALUES)):
+        return
+    # The key set last is the one meant: it replaces the one the group kept.
+    replaced = {_ENTRY_KEYS[key] for key in _ENTRY_KEYS.keys() & group.keys() if group[key] is not None}
+    entered = _entered({key: value for key, value in group.items() if key not in replaced}, group["lr"])
+    for key in group.keys() - entered.keys():
+        del group[key]
+    group.update(entered)
+
+
 def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     """Every option of the group; at step time a capturable group's tensor values are not read (a host sync)."""
     check_bool("capturable", group["capturable"])
@@ -260,46 +293,29 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
             raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has AdamW state {adamw_keys} without "
                              f"{missing}")
         _check_saved_moments(saved_id, saved)
-        for key, value in saved.items():
-            if key in MOMENT_KEYS:
-                expected = param.shape
-            elif key in _SCALE_STATE_KEYS:
-                expected = torch.Size(scales_shape(param.shape))
-            elif key in _SCALAR_STATE_KEYS:
-                expected = torch.Size()
-            else:
-                continue
-            if not isinstance(value, Tensor) or value.shape != expected:
-                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(f"Invalid state_dict: state {key!r} of parameter {saved_id!r} is {shape}, expected "
-                                 f"a tensor of shape {tuple(expected)} (the parameter it loads into has shape "
-                                 f"{tuple(param.shape)})")
+        misshapen = _misshapen_state(saved, param.shape)
+        if misshapen is not None:
+            key, found, expected = misshapen
+            raise ValueError(f"Invalid state_dict: state {key!r} of parameter {saved_id!r} is {found}, expected a "
+                             f"tensor of shape {expected} (the parameter it loads into has shape "
+                             f"{tuple(param.shape)})")
 
 
-def _codes_named(state: dict[str, Any]) -> dict[str, Any]:
-    """A parameter's state as its state dict holds it: 8-bit codes under `codes_key` (the same dict where none)."""
-    if not any(isinstance(state.get(key), Tensor) and state[key].dtype == torch.int8 for key in MOMENT_KEYS):
-        return state
-    return {codes_key(key) if key in MOMENT_KEYS and value.dtype == torch.int8 else key: value
-            for key, value in state.items()}
-
-
-def _codes_as_kept(saved_id: Any, saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved parameter's state with its 8-bit codes back under their moment's key, where a step reads them (a
-    checkpoint from before the codes had a key of their own holds them there already)."""
-    where = f"Invalid state_dict: parameter {saved_id!r} has"
-    kept = dict(saved)
-    for key in MOMENT_KEYS:
-        if codes_key(key) not in saved:
+def _misshapen_state(state: Mapping[str, Any], shape: torch.Size) -> tuple[str, Any, tuple[int, ...]] | None:
+    """The first per-element or scalar state entry that is not a tensor of the shape a parameter of `shape` needs:
+    its key, its shape (or type) and the shape expected."""
+    for key, value in state.items():
+        if key in MOMENT_KEYS:
+            expected = shape
+        elif key in _SCALE_STATE_KEYS:
+            expected = torch.Size(scales_shape(shape))
+        elif key in _SCALAR_STATE_KEYS:
+            expected = torch.Size()
+        else:
             continue
-        codes = kept.pop(codes_key(key))
-        if key in saved:
-            raise ValueError(f"{where} both {key!r} and {codes_key(key)!r} (its 8-bit codes)")
-        if not isinstance(codes, Tensor) or codes.dtype != torch.int8:
-            found = codes.dtype if isinstance(codes, Tensor) else type(codes).__name__
-            raise ValueError(f"{where} {codes_key(key)!r} of {found} (8-bit codes are torch.int8)")
-        kept[key] = codes
-    return kept
+        if not isinstance(value, Tensor) or value.shape != expected:
+            return key, tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__, tuple(expected)
+    return None
 
 
 def _check_saved_moments(saved_id: Any, saved: dict[str, Any]) -> None:
@@ -312,11 +328,11 @@ def _check_saved_moments(saved_id: Any, saved: dict[str, Any]) -> None:
     for key, scales_key in (*_MUON_MOMENTS, *_ADAMW_MOMENTS):
         moment, scales = saved.get(key), saved.get(scales_key)
         if moment is None and scales is not None:
-            raise ValueError(f"{where} {scales_key!r} without the codes they scale ({codes_key(key)!r})")
+            raise ValueError(f"{where} {scales_key!r} without {key!r}")
         if not isinstance(moment, Tensor):
             continue  # absent, or refused with its shape by the caller
         if moment.dtype == torch.int8 and scales is None:
-            raise ValueError(f"{where} 8-bit codes of {key!r} without their scales {scales_key!r}")
+            raise ValueError(f"{where} {key!r} as 8-bit codes without their scales {scales_key!r}")
         if moment.dtype != torch.int8 and scales is not None:
             raise ValueError(f"{where} {scales_key!r} beside a {moment.dtype} {key!r}, which is not 8-bit codes")
         if moment.dtype != torch.int8 and not moment.is_floating_point():
@@ -425,10 +441,11 @@ class _Kept:
     settings (2-core Xeon), a fifth of a millisecond for a model with a param group per block."""
 
     options: tuple
+    size: int  # the group's number of keys: one more is one a group only enters with (`_reenter_`)
     muon_settings: dict[torch.device, dict[str, Any]] = field(default_factory=dict)
 
-    def holds(self, options: tuple) -> bool:
-        return all(map(operator.is_, options, self.options))
+    def holds(self, group: dict[str, Any], options: tuple) -> bool:
+        return len(group) == self.size and all(map(operator.is_, options, self.options))
 
 
 # The options that decide how a group's parameters are routed and what state they keep (`_view`, `_state_keys`,
@@ -472,8 +489,9 @@ class _HeldItems:
                 return None
             if item is None:
                 continue
-            # A gradient of another dtype or shape goes to the full check (`Muon._check_gradients`), which refuses it.
-            if (grad.is_sparse or grad.dtype is not dtype or grad.shape != shape
+            # A gradient of another dtype or shape goes to the full check (`Muon._check_gradients`), which refuses it,
+            # and so does a parameter resized in place (`Muon._check_state_shapes`).
+            if (grad.is_sparse or grad.dtype is not dtype or grad.shape != shape or param.shape != shape
                     or state.get(param) is not param_state
                     or not all(map(operator.is_, map(param_state.get, keys), values))):
                 return None
@@ -670,12 +688,7 @@ class Muon(Optimizer):
         return {key: value for key, value in self.defaults.items() if key != "differentiable"}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        for key in _OPTIMIZER_OPTIONS:
-            if key in param_group:
-                raise ValueError(f"Invalid param group key {key!r}: {key} is an option of the whole optimizer, not of "
-                                 "a param group (give it to Muon(...))")
-        param_group = _none_resolved(_adamw_lr_as_scale(_from_timm_spellings(param_group),
-                                                        param_group.get("lr", self.defaults["lr"])))
+        param_group = _entered(param_group, param_group.get("lr", self.defaults["lr"]))
         candidate = {**self.defaults, **param_group}
         _validate_group(candidate)
         super().add_param_group(param_group)
@@ -737,6 +750,7 @@ class Muon(Optimizer):
         held = None if held is None else held.items_for(group, self.state)
         if held is None:
             self._check_gradients(group)
+            self._check_state_shapes(group)
             self._check_forced_muon(group)
             self._check_normalization_state(group)
         return kept, held
@@ -757,6 +771,18 @@ class Muon(Optimizer):
             raise RuntimeError(f"Invalid gradient: a {grad.dtype} gradient of shape {tuple(grad.shape)} for the "
                                f"{param.dtype} parameter of shape {tuple(param.shape)} (expected its shape and dtype)")
 
+    def _check_state_shapes(self, group: dict[str, Any]) -> None:
+        """State that fits each parameter that steps: one resized in place (`param.data = ...`) since its state was
+        made would have its update refused by a kernel part way through the step."""
+        for name, param in zip(_param_names(group), group["params"]):
+            state = self.state.get(param)
+            misshapen = None if not state or param.grad is None else _misshapen_state(state, param.shape)
+            if misshapen is not None:
+                key, found, expected = misshapen
+                raise RuntimeError(f"Invalid state: {key!r} of parameter {name} is {found}, expected {expected} for "
+                                   f"the parameter's shape {tuple(param.shape)} (resized since its state was made? "
+                                   "`del optimizer.state[param]` restarts it, or load a state of its new shape)")
+
     @staticmethod
     def _check_forced_muon(group: dict[str, Any]) -> None:
         """A group that forces its parameters into Muon (`use_muon=True`, also when set since they were added) holds
@@ -771,14 +797,17 @@ class Muon(Optimizer):
         what steps keep from them, or None where an option may change in place (a list, a tensor lr) or a
         torch.compile trace runs (whose guards watch the options)."""
         if torch.compiler.is_compiling():
+            _reenter_(group)
             _validate_group(group, at_step=True)
             return None
         options = operator.itemgetter(*option_keys)(group)  # a third of a generator's time: once per group a step
         kept = self._kept.get(id(group))
-        if kept is not None and kept.holds(options):
+        if kept is not None and kept.holds(group, options):
             return kept
+        _reenter_(group)
+        options = operator.itemgetter(*option_keys)(group)
         _validate_group(group, at_step=True)
-        return _Kept(options) if all(map(_immutable, options)) else None
+        return _Kept(options, len(group)) if all(map(_immutable, options)) else None
 
     def _graph_capture_health_check(self) -> None:
         """torch's check that a captured step has capturable=True in every group, under its current name: the older
@@ -882,6 +911,9 @@ class Muon(Optimizer):
                 state["update_sq"] = zeros_like_resized(
                     param, second_moment_shape(param.shape, view, group["normalization"]), moment_dtype(param.dtype))
                 state["update_step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            elif "update_sq" in state and state["update_sq"].dtype != moment_dtype(param.dtype):
+                # The parameter's dtype changed in place (model.double()), as a checkpoint would load it.
+                state["update_sq"] = state["update_sq"].to(moment_dtype(param.dtype))
         else:
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
@@ -1075,22 +1107,6 @@ class Muon(Optimizer):
         """How many parameter updates were skipped because a gradient had a NaN or Inf (syncs with the device)."""
         return int(sum(int(state["nonfinite_skips"]) for state in self.state.values() if "nonfinite_skips" in state))
 
-    def state_dict(self) -> dict[str, Any]:
-        # torch's, with 8-bit codes under keys of their own (`codes_key`) before the post-hooks see it, so that a hook
-        # sees what a checkpoint will hold.
-        post_hooks, self._optimizer_state_dict_post_hooks = self._optimizer_state_dict_post_hooks, OrderedDict()
-        try:
-            state_dict = super().state_dict()
-        finally:  # the same dict object again, so the hooks' removal handles still work
-            self._optimizer_state_dict_post_hooks = post_hooks
-        state_dict = {**state_dict, "state": {index: _codes_named(state)
-                                              for index, state in state_dict["state"].items()}}
-        for hook in post_hooks.values():
-            adapted = hook(self, state_dict)
-            if adapted is not None:
-                state_dict = adapted
-        return state_dict
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The load pre-hooks run first, as in torch, so that a hook can adapt a checkpoint (rename parameters,
         # reshape state) before the matching and checks below see it; torch's own pass over them is then skipped.
@@ -1107,8 +1123,6 @@ class Muon(Optimizer):
                                                                         saved.get("initial_lr", saved["lr"]))
                                                      for saved in state_dict["param_groups"]]}
         state_dict = _aligned_by_name(state_dict, self.param_groups)
-        state_dict = {**state_dict, "state": {saved_id: _codes_as_kept(saved_id, saved)
-                                              for saved_id, saved in state_dict["state"].items()}}
         state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved}
                                                      for saved in state_dict["param_groups"]]}
         for saved in state_dict["param_groups"]:

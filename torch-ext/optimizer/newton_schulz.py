@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
 from .dispatch import check_backend, matmul, resolve_backend, symmetric_gram, symmetric_polynomial
+from .option_values import check_float_dtype
 from .precision import default_ns_dtype, matrix_ns_dtype
 from .workspace import Workspace
 
@@ -50,8 +51,7 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
                          "three matrix products and no schedule improves past about ten)")
     if dtype is None:
         dtype = matrix_ns_dtype(default_ns_dtype(G.device), G.device, G.shape)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"Invalid dtype: {dtype!r} (expected None or a floating torch.dtype)")
+    check_float_dtype("dtype", dtype)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
         raise ValueError(f"Invalid eps: {eps!r} (expected a finite number > 0)")
     if backend is not None:

@@ -66,6 +66,11 @@ def check_chunk_size(value: Any) -> None:
         raise ValueError(f"Invalid chunk_size: {value!r} (expected None or an integer >= 1)")
 
 
+# The dtypes products and collectives run in (float8 has neither matrix products nor arithmetic in torch).
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_float_dtype(name: str, value: Any, optional: bool = False) -> None:
-    if not (isinstance(value, torch.dtype) and value.is_floating_point) and not (optional and value is None):
-        raise ValueError(f"Invalid {name}: {value!r} (expected {'None or ' if optional else ''}a floating torch.dtype)")
+    if value not in _COMPUTE_DTYPES and not (optional and value is None):
+        raise ValueError(f"Invalid {name}: {value!r} (expected {'None or ' if optional else ''}one of "
+                         f"{', '.join(map(str, _COMPUTE_DTYPES))})")

@@ -37,8 +37,7 @@ STATE_DTYPES: tuple[torch.dtype | str | None, ...] = (None, torch.bfloat16, "int
 # with blocks of 32, 0.94% of 128, 0.97% of 256, 1.01% of whole 512-entry rows; AdamW's e4m3 codes 3.4-3.8% for every
 # size. 256 keeps the scales at 1.6% of the codes' bytes (4 / 256) for an error within 0.2 points of 32's.
 BLOCK = 256
-# State keys of the moments, whose "int8" form keeps its scales beside them under "<key>_scale" (and, in a state dict,
-# its codes under "<key>_codes").
+# State keys of the moments, whose "int8" form keeps its scales beside them under "<key>_scale".
 MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 _LINEAR_CODED = ("momentum_buffer",)  # the other moments take e4m3 codes
 _STORED_AS_ROOT = ("exp_avg_sq",)
@@ -77,12 +76,6 @@ def is_quantized(state_dtype: torch.dtype | str | None) -> bool:
 
 def scale_key(key: str) -> str:
     return f"{key}_scale"
-
-
-def codes_key(key: str) -> str:
-    """Where a state dict keeps moment `key`'s 8-bit codes: a key of their own, so that a checkpoint's codes never
-    load as another form's values (DCP casts what it reads into the dtype of the state it loads into)."""
-    return f"{key}_codes"
 
 
 def scales_shape(shape: Sequence[int]) -> tuple[int, ...]:
