@@ -276,22 +276,37 @@ def _integer_values(state: dict[str, Any]) -> None:
     del state["momentum_buffer_scale"]
 
 
+def _codes_without_rounding_count(state: dict[str, Any]) -> None:
+    del state["rounding_count"]
+
+
+def _second_moment_without_its_count(state: dict[str, Any]) -> None:
+    del state["update_step"]
+
+
+def _count_without_second_moment(state: dict[str, Any]) -> None:
+    del state["update_sq"]
+
+
 SPOILED = {"codes_without_scales": _codes_without_scales, "values_with_scales": _values_with_scales,
            "scales_without_codes": _scales_without_codes, "no_moments": _no_moments,
-           "integer_values": _integer_values}
+           "integer_values": _integer_values, "codes_without_rounding_count": _codes_without_rounding_count,
+           "second_moment_without_its_count": _second_moment_without_its_count,
+           "count_without_second_moment": _count_without_second_moment}
 
 
 @pytest.mark.parametrize("spoil", SPOILED)
 def test_a_checkpoint_whose_moments_cannot_be_read_as_saved_is_refused_and_changes_nothing(spoil: str) -> None:
     # int8 codes taken for values were read 127x too large; values with scales beside them were read as codes; state
-    # without its moments restarted them from zero.
+    # without its moments restarted them from zero, codes without their count restarted their random bits, and a
+    # second moment without its step count failed the next step after the momentum had been written.
     params = [torch.randn(8, 256, generator=torch.Generator().manual_seed(4))]
-    source = Muon(params, lr=0.02, state_dtype="int8")
+    source = Muon(params, lr=0.02, state_dtype="int8", normalization="neuron")
     seeded_grads(params, 0)
     source.step()
     saved = copy.deepcopy(source.state_dict())
     SPOILED[spoil](saved["state"][0])
-    target = Muon(params, lr=0.02, state_dtype="int8")
+    target = Muon(params, lr=0.02, state_dtype="int8", normalization="neuron")
     seeded_grads(params, 1)
     target.step()
     before = snapshot(target, params)
@@ -299,3 +314,25 @@ def test_a_checkpoint_whose_moments_cannot_be_read_as_saved_is_refused_and_chang
         target.load_state_dict(saved)
     assert_unchanged(target, params, before)
 
+
+
+def test_a_load_post_hook_sees_and_keeps_the_state_as_loaded() -> None:
+    # The moments were restored in their saved dtypes after torch's pass had run the post-hooks: a hook saw them cast
+    # to the parameter's dtype, and its own change was overwritten.
+    params = [torch.randn(8, 6, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)]
+    source = Muon(params, lr=0.02, state_dtype="int8")
+    seeded_grads(params, 0)
+    source.step()
+    target = Muon([param.clone() for param in params], lr=0.02, state_dtype="int8")
+    seen = {}
+
+    def restart_the_momentum(opt: "optimizer.Muon") -> None:
+        state = opt.state[opt.param_groups[0]["params"][0]]
+        seen.update({key: value.dtype for key, value in state.items()})
+        state["momentum_buffer"].zero_()
+
+    target.register_load_state_dict_post_hook(restart_the_momentum)
+    target.load_state_dict(source.state_dict())
+    loaded = target.state[target.param_groups[0]["params"][0]]
+    assert seen == {key: value.dtype for key, value in source.state[params[0]].items()}
+    assert not loaded["momentum_buffer"].any()

@@ -252,7 +252,10 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
 _SCALE_STATE_KEYS = tuple(scale_key(key) for key in MOMENT_KEYS)
 _MOMENTUM_SCALES, _EXP_AVG_SCALES, _EXP_AVG_SQ_SCALES = _SCALE_STATE_KEYS  # in MOMENT_KEYS' order
 _MOMENT_STATE_KEYS = (*MOMENT_KEYS, *_SCALE_STATE_KEYS)
-_ADAMW_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # created together, so saved together
+# State created together, so saved together: lazy initialisation keys on one of each (AdamW's "step", a
+# normalization's "update_sq"), and without the others the next step would restart them or fail part way.
+_SAVED_TOGETHER = ((("step", "exp_avg", "exp_avg_sq"), "AdamW state"),
+                   (("update_sq", "update_step"), "a second moment's state"))
 # Each part's moments, each with the key of its 8-bit codes' scales (formed once: a step asks for them per parameter).
 _MUON_MOMENTS = (("momentum_buffer", _MOMENTUM_SCALES),)
 _ADAMW_MOMENTS = (("exp_avg", _EXP_AVG_SCALES), ("exp_avg_sq", _EXP_AVG_SQ_SCALES))
@@ -286,13 +289,16 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
     params = chain.from_iterable(group["params"] for group in param_groups)
     for saved_id, param in zip(saved_ids, params):
         saved = state_dict["state"].get(saved_id, {})
-        adamw_keys = [key for key in _ADAMW_STATE_KEYS if key in saved]
-        if adamw_keys and len(adamw_keys) < len(_ADAMW_STATE_KEYS):
-            # Lazy initialisation keys on "step": without it the next step would restart the moments from zero.
-            missing = [key for key in _ADAMW_STATE_KEYS if key not in saved]
-            raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has AdamW state {adamw_keys} without "
-                             f"{missing}")
+        for keys, what in _SAVED_TOGETHER:
+            present = [key for key in keys if key in saved]
+            if present and len(present) < len(keys):
+                missing = [key for key in keys if key not in saved]
+                raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has {what} {present} without {missing}")
         _check_saved_moments(saved_id, saved)
+        if any(isinstance(saved.get(key), Tensor) and saved[key].dtype == torch.int8 for key in MOMENT_KEYS) and (
+                "rounding_count" not in saved):
+            # 8-bit codes are always rounded at random: without their count the random bits would start over.
+            raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has 8-bit codes without 'rounding_count'")
         misshapen = _misshapen_state(saved, param.shape)
         if misshapen is not None:
             key, found, expected = misshapen
@@ -1128,11 +1134,16 @@ class Muon(Optimizer):
         for saved in state_dict["param_groups"]:
             _validate_group(saved)
         _check_saved_state(state_dict, self.param_groups)
+        # The post-hooks run last, as in torch, on the state as loaded here (torch's pass casts what the loop below
+        # restores; a hook's change made before it was overwritten).
         pre_hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
+        post_hooks, self._optimizer_load_state_dict_post_hooks = (self._optimizer_load_state_dict_post_hooks,
+                                                                  OrderedDict())
         try:
             super().load_state_dict(state_dict)
-        finally:  # the same dict object again, so the hooks' removal handles still work
+        finally:  # the same dict objects again, so the hooks' removal handles still work
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         for saved_id, param in zip(saved_ids, params):
@@ -1144,3 +1155,5 @@ class Muon(Optimizer):
             for key, dtype in exact_dtypes.items():
                 if key in saved:
                     self.state[param][key] = saved[key].to(dtype=dtype, device=param.device).clone()
+        for hook in post_hooks.values():
+            hook(self)
