@@ -84,9 +84,8 @@ def test_training_matches_the_composition_it_replaces(form: str) -> None:
     theirs, their_state = adamw_trained(load_fallback_variant(), start, 10, state_dtype)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     for key in ("exp_avg", "exp_avg_sq"):
-        scales = our_state.get(f"{key}_scale")
-        ours_values = state_precision.working_copy(key, our_state[key], scales).double()
-        theirs_values = state_precision.working_copy(key, their_state[key], their_state.get(f"{key}_scale")).double()
+        ours_values = state_precision.working_copy(key, *state_precision.stored_moment(our_state, key)).double()
+        theirs_values = state_precision.working_copy(key, *state_precision.stored_moment(their_state, key)).double()
         differs = ((ours_values - theirs_values).abs() > 1e-5 * theirs_values.abs()).double().mean().item()
         assert differs < 0.01, f"{key}: {differs:.2%} of the entries differ"
 

@@ -259,21 +259,29 @@ def _codes_without_scales(state: dict[str, Any]) -> None:
 
 
 def _values_with_scales(state: dict[str, Any]) -> None:
-    state["momentum_buffer"] = state["momentum_buffer"].float()
+    state["momentum_buffer"] = state.pop("momentum_buffer_codes").float()
 
 
 def _scales_without_codes(state: dict[str, Any]) -> None:
-    del state["momentum_buffer"]
+    del state["momentum_buffer_codes"]
     state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64)
 
 
 def _no_moments(state: dict[str, Any]) -> None:
-    del state["momentum_buffer"], state["momentum_buffer_scale"]
+    del state["momentum_buffer_codes"], state["momentum_buffer_scale"]
 
 
 def _integer_values(state: dict[str, Any]) -> None:
-    state["momentum_buffer"] = state["momentum_buffer"].to(torch.int32)
+    state["momentum_buffer"] = state.pop("momentum_buffer_codes").to(torch.int32)
     del state["momentum_buffer_scale"]
+
+
+def _codes_beside_values(state: dict[str, Any]) -> None:
+    state["momentum_buffer"] = state["momentum_buffer_codes"].float()
+
+
+def _codes_of_another_dtype(state: dict[str, Any]) -> None:
+    state["momentum_buffer_codes"] = state["momentum_buffer_codes"].to(torch.uint8)
 
 
 def _codes_without_rounding_count(state: dict[str, Any]) -> None:
@@ -290,7 +298,9 @@ def _count_without_second_moment(state: dict[str, Any]) -> None:
 
 SPOILED = {"codes_without_scales": _codes_without_scales, "values_with_scales": _values_with_scales,
            "scales_without_codes": _scales_without_codes, "no_moments": _no_moments,
-           "integer_values": _integer_values, "codes_without_rounding_count": _codes_without_rounding_count,
+           "integer_values": _integer_values, "codes_beside_values": _codes_beside_values,
+           "codes_of_another_dtype": _codes_of_another_dtype,
+           "codes_without_rounding_count": _codes_without_rounding_count,
            "second_moment_without_its_count": _second_moment_without_its_count,
            "count_without_second_moment": _count_without_second_moment}
 
@@ -329,10 +339,10 @@ def test_a_load_post_hook_sees_and_keeps_the_state_as_loaded() -> None:
     def restart_the_momentum(opt: "optimizer.Muon") -> None:
         state = opt.state[opt.param_groups[0]["params"][0]]
         seen.update({key: value.dtype for key, value in state.items()})
-        state["momentum_buffer"].zero_()
+        state["momentum_buffer_codes"].zero_()
 
     target.register_load_state_dict_post_hook(restart_the_momentum)
     target.load_state_dict(source.state_dict())
     loaded = target.state[target.param_groups[0]["params"][0]]
     assert seen == {key: value.dtype for key, value in source.state[params[0]].items()}
-    assert not loaded["momentum_buffer"].any()
+    assert not loaded["momentum_buffer_codes"].any()

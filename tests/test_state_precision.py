@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from kernel_under_test import load_fallback_variant, optimizer, submodule
 
@@ -154,7 +156,7 @@ def all_params(opt: Muon) -> list[torch.Tensor]:
 
 def state_bytes(opt: Muon, param: torch.Tensor) -> int:
     return sum(value.numel() * value.element_size() for key, value in opt.state[param].items()
-               if key in MOMENT_KEYS or key.endswith("_scale"))
+               if key.removesuffix("_codes") in MOMENT_KEYS or key.endswith("_scale"))
 
 
 @pytest.mark.parametrize("state_dtype,muon_bytes,adamw_bytes", [
@@ -260,9 +262,12 @@ def test_a_checkpoint_saves_the_moments_as_they_are_and_resumes_exactly(state_dt
     train(through, 6, state_dtype=state_dtype)
     opt = train(first, 3, state_dtype=state_dtype)
     saved = opt.state_dict()
-    stored = {str(value.dtype) for state in saved["state"].values() for key, value in state.items()
-              if key in MOMENT_KEYS}
-    assert stored == ({"torch.int8", "torch.bfloat16"} if state_dtype == "int8" else {"torch.bfloat16"})
+    stored = {(key, value.dtype) for state in saved["state"].values() for key, value in state.items()
+              if key.removesuffix("_codes") in MOMENT_KEYS}
+    # 8-bit codes under keys of their own, the vector's moments (and every moment of bfloat16 state) under theirs.
+    assert stored == {("momentum_buffer_codes", torch.int8), ("exp_avg_codes", torch.int8),
+                      ("exp_avg_sq_codes", torch.int8), ("exp_avg", torch.bfloat16), ("exp_avg_sq", torch.bfloat16)
+                      } if state_dtype == "int8" else {(key, torch.bfloat16) for key in MOMENT_KEYS}
     copies = [p.clone() for p in all_params(opt)]
     copies[0] = first.clone()
     resumed = Muon([dict(params=copies[:1]), dict(params=copies[1:], use_muon=False)], lr=0.02)
@@ -296,7 +301,8 @@ def test_the_moments_follow_a_change_of_state_dtype(start, switch_to) -> None:
         key = "momentum_buffer" if i == 0 else "exp_avg"
         form = torch.bfloat16 if switch_to == "int8" and p.ndim < 2 else switch_to  # "int8" keeps vectors in bf16
         expected = {None: torch.float32, torch.bfloat16: torch.bfloat16, "int8": torch.int8}[form]
-        assert opt.state[p][key].dtype == expected and (f"{key}_scale" in opt.state[p]) == (form == "int8")
+        stored, scales = state_precision.stored_moment(opt.state[p], key)
+        assert stored.dtype == expected and (scales is not None) == (form == "int8")
         # A zero gradient: the Muon momentum shrinks by its beta, AdamW's first moment by beta1, then each is
         # stored in its new form, twice (converted, then stepped): within two of that form's steps.
         beta = 0.95 if i == 0 else 0.9
@@ -309,16 +315,17 @@ def test_the_moments_follow_a_change_of_state_dtype(start, switch_to) -> None:
         torch.testing.assert_close(working_copy(opt, p, key), beta * values[p], rtol=rtol, atol=atol)
 
 
-def dcp_round_trip(saved: Muon, loading: Muon, path: Path) -> None:
+def dcp_round_trip(saved: Muon, loading: Muon, path: Path, options: StateDictOptions | None = None) -> None:
     """`saved`'s state into `loading` through torch.distributed.checkpoint, as a training loop resumes (one process,
     no process group): `loading`'s own state dict is the template DCP loads into."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # as it should be here
-        dcp.save({"optimizer": get_optimizer_state_dict(_Parameters(all_params(saved)), saved)}, checkpoint_id=path)
+        dcp.save({"optimizer": get_optimizer_state_dict(_Parameters(all_params(saved)), saved, options=options)},
+                 checkpoint_id=path)
         holder = _Parameters(all_params(loading))
-        state = {"optimizer": get_optimizer_state_dict(holder, loading)}
+        state = {"optimizer": get_optimizer_state_dict(holder, loading, options=options)}
         dcp.load(state, checkpoint_id=path)
-        set_optimizer_state_dict(holder, loading, state["optimizer"])
+        set_optimizer_state_dict(holder, loading, state["optimizer"], options=options)
 
 
 class _Parameters(torch.nn.Module):
@@ -327,6 +334,45 @@ class _Parameters(torch.nn.Module):
     def __init__(self, params: list[torch.Tensor]) -> None:
         super().__init__()
         self.params = torch.nn.ParameterList(params)
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
+def test_dcp_resumes_exactly(state_dtype, flatten: bool, tmp_path: Path) -> None:
+    # flatten_optimizer_state_dict=True (torchtitan's) rebuilds each parameter's state from the live state's keys.
+    start = torch.randn(8, 300)
+    saved = train(torch.nn.Parameter(start.clone()), 2, state_dtype=state_dtype)
+    resumed = train(torch.nn.Parameter(start.clone()), 1, seed=1, state_dtype=state_dtype)
+    dcp_round_trip(saved, resumed, tmp_path, StateDictOptions(flatten_optimizer_state_dict=flatten))
+    for p, q in zip(all_params(resumed), all_params(saved)):
+        assert resumed.state[p].keys() == saved.state[q].keys()
+        for key, value in saved.state[q].items():
+            assert resumed.state[p][key].dtype == value.dtype and torch.equal(resumed.state[p][key], value), key
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [("int8", None), ("int8", torch.bfloat16), (None, "int8")])
+def test_dcp_refuses_a_checkpoint_of_another_form_rather_than_loading_codes_as_values(saved_as, loaded_as,
+                                                                                     tmp_path: Path) -> None:
+    # DCP loads into the optimizer's own state, cast to its dtypes: 8-bit codes kept under the moment's own key
+    # loaded into float32 state as values (a momentum a million times its size), and their scales were dropped.
+    saved = train(torch.nn.Parameter(torch.randn(8, 300)), 2, state_dtype=saved_as)
+    loading = train(torch.nn.Parameter(torch.randn(8, 300)), 1, state_dtype=loaded_as)
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint"):
+        dcp_round_trip(saved, loading, tmp_path)
+
+
+def test_codes_saved_under_their_moments_own_key_still_load() -> None:
+    """Checkpoints of versions that kept 8-bit codes under the moment's own key (before 2026-11-27)."""
+    opt = train(torch.randn(8, 300), 2, state_dtype="int8")
+    saved = opt.state_dict()
+    old_form = {**saved, "state": {index: {key.removesuffix("_codes"): value for key, value in state.items()}
+                                   for index, state in saved["state"].items()}}
+    resumed = train(torch.randn(8, 300), 1, state_dtype="int8")
+    resumed.load_state_dict(old_form)
+    for p, q in zip(all_params(resumed), all_params(opt)):
+        assert resumed.state[p].keys() == opt.state[q].keys()
+        for key, value in opt.state[q].items():
+            assert torch.equal(resumed.state[p][key], value), key
 
 
 @pytest.mark.parametrize("saved_as,switch_to", [("int8", None), ("int8", torch.bfloat16), (None, "int8")])
@@ -356,7 +402,7 @@ def test_a_state_dtype_change_between_runs_through_dcp(saved_as, switch_to, tmp_
 
 def working_copy(opt: Muon, param: torch.Tensor, key: str) -> torch.Tensor:
     state = opt.state[param]
-    return state_precision.working_copy(key, state[key], state.get(f"{key}_scale"))
+    return state_precision.working_copy(key, *state_precision.stored_moment(state, key))
 
 
 def test_bfloat16_parameters_with_bfloat16_state() -> None:

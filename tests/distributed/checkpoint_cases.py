@@ -33,8 +33,11 @@ VARIANTS: dict[str, tuple[dict, float]] = {
     "_bf16_state": (dict(state_dtype=torch.bfloat16), TRAINED_BF16_ATOL),
     "_int8_state": (dict(state_dtype="int8"), TRAINED_BF16_ATOL),
 }
-# The dtypes each variant's moments are saved in ("int8" keeps the biases' moments in bfloat16).
-SAVED_DTYPES = {"_bf16_state": {torch.bfloat16}, "_int8_state": {torch.int8, torch.bfloat16}}
+# Each variant's moments as saved, key and dtype: 8-bit codes under keys of their own ("int8" keeps the biases'
+# moments in bfloat16).
+SAVED_KEYS = ("momentum_buffer", "momentum_buffer_codes", "exp_avg", "exp_avg_codes")
+SAVED_FORMS = {"_bf16_state": {("momentum_buffer", torch.bfloat16), ("exp_avg", torch.bfloat16)},
+               "_int8_state": {("momentum_buffer_codes", torch.int8), ("exp_avg", torch.bfloat16)}}
 
 
 def small_mlp(seed: int) -> nn.Module:
@@ -82,13 +85,13 @@ def save_case(variant: str) -> None:
     train_steps(model, optimizer, range(STEPS_BEFORE_SAVE), rank, world)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     states = list(optimizer_state["state"].values())
-    momentum = [state["momentum_buffer"] for state in states if "momentum_buffer" in state]
+    momentum = [state[key] for state in states for key in ("momentum_buffer", "momentum_buffer_codes") if key in state]
     assert momentum and all(hasattr(buffer, "placements") for buffer in momentum)  # saved as DTensors
     moments = [state["update_sq"] for state in states if "update_sq" in state]
     assert len(moments) == (len(momentum) if "normalization" in VARIANTS[variant][0] else 0)
     assert all(hasattr(moment, "placements") for moment in moments)
-    saved_dtypes = {state[key].dtype for state in states for key in ("momentum_buffer", "exp_avg") if key in state}
-    assert saved_dtypes == SAVED_DTYPES.get(variant, {torch.float32})  # saved as what they are
+    saved_dtypes = {(key, state[key].dtype) for state in states for key in SAVED_KEYS if key in state}
+    assert saved_dtypes == SAVED_FORMS.get(variant, {("momentum_buffer", torch.float32), ("exp_avg", torch.float32)})
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=_checkpoint_path(variant))
     saved = _whole_state(optimizer_state)  # every rank takes part in gathering the shards
     if rank == 0:

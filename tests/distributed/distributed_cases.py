@@ -110,7 +110,7 @@ def dtensor_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement], a
         options["comm_dtype"] = comm_dtype
     ours, truth, reference = run_pair(params, make_grad, shapes, nan_at=nan_at, **options)
     assert_matches(params, reference, atol)
-    buffers = [ours.state[p]["momentum_buffer"] for p in params]
+    buffers = [state_precision.stored_moment(ours.state[p], "momentum_buffer")[0] for p in params]
     for p, buffer in zip(params, buffers):  # momentum stays sharded like its parameter
         assert isinstance(buffer, DTensor) and buffer.placements == p.placements
         assert buffer.to_local().shape == p.to_local().shape
@@ -131,21 +131,20 @@ def _assert_stored_momentum_matches(ours: Muon, truth: Muon, params: Sequence[to
     tensor, so in the same form it is one device's bit for bit; in another, within a few of the coarser form's
     spacings (2^-3 of the largest entry for e4m3 codes) after rounding at random on each side each step."""
     for p, q in zip(params, reference):
-        mine, theirs = ours.state[p], truth.state[q]
+        mine, theirs = (state_precision.stored_moment(state, "momentum_buffer")
+                        for state in (ours.state[p], truth.state[q]))
         split_last = any(not placement.is_replicate() and placement.dim % p.ndim == p.ndim - 1
                          for placement in p.placements)
-        form = torch.bfloat16 if split_last else theirs["momentum_buffer"].dtype
-        assert mine["momentum_buffer"].dtype == form and ("momentum_buffer_scale" in mine) == (form == torch.int8)
-        assert int(mine["rounding_count"]) == int(theirs["rounding_count"])
-        if form == theirs["momentum_buffer"].dtype:
-            for key in ("momentum_buffer", "momentum_buffer_scale"):
-                if key in theirs:
-                    assert torch.equal(_global(mine[key]), theirs[key]), key
+        form = torch.bfloat16 if split_last else theirs[0].dtype
+        assert mine[0].dtype == form and (mine[1] is not None) == (form == torch.int8)
+        assert int(ours.state[p]["rounding_count"]) == int(truth.state[q]["rounding_count"])
+        if form == theirs[0].dtype:
+            for stored, truth_stored in zip(mine, theirs):
+                assert truth_stored is None or torch.equal(_global(stored), truth_stored)
             continue
-        values = [state_precision.working_copy("momentum_buffer", _global(state["momentum_buffer"]),
-                                               _global(state["momentum_buffer_scale"])
-                                               if "momentum_buffer_scale" in state else None)
-                  for state in (mine, theirs)]
+        values = [state_precision.working_copy("momentum_buffer", _global(stored),
+                                               None if scales is None else _global(scales))
+                  for stored, scales in (mine, theirs)]
         assert (values[0] - values[1]).abs().max() <= 2 * STEPS * 2.0 ** -3 * values[1].abs().max()
 
 

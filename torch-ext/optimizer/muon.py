@@ -36,8 +36,8 @@ from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
 from .qk_clip import (DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, clip_checked_,
                       resolve_layers)
 from .routing import CONV_MODES, PARAM_LAYOUTS, MatrixView, check_forced_muon, muon_view
-from .state_precision import (MOMENT_KEYS, STATE_DTYPES, is_quantized, rounds_stochastically, scale_key, scales_shape,
-                              store_, stored_dtype, working_copy)
+from .state_precision import (CODES_KEYS, MOMENT_KEYS, STATE_DTYPES, codes_key, is_quantized, rounds_stochastically,
+                              scale_key, scales_shape, store_, stored_dtype, working_copy)
 from .workspace import Workspace
 
 # What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
@@ -190,11 +190,12 @@ def _reenter_(group: dict[str, Any]) -> None:
     """A group given, between steps, a key or value it could only enter with (a training loop setting timm's
     `betas`, `adamw_lr`, or `adamw_betas = None`): resolved in place as if it entered so, where it would be kept and
     never read. (A group that enters in the kept form, as each does, is left as it is.)"""
-    if (_ENTRY_KEYS.keys().isdisjoint(group) and all(group[key] is not None for key in _NONE_MEANS)
+    # Asked as a compiled step traces it too: dynamo cannot trace set operations on a dict's keys.
+    if (not any(key in group for key in _ENTRY_KEYS) and all(group[key] is not None for key in _NONE_MEANS)
             and not any(group[key] == value for key, value in _TIMM_VALUES)):
         return
     # The key set last is the one meant: it replaces the one the group kept.
-    replaced = {_ENTRY_KEYS[key] for key in _ENTRY_KEYS.keys() & group.keys() if group[key] is not None}
+    replaced = {ours for key, ours in _ENTRY_KEYS.items() if group.get(key) is not None}
     entered = _entered({key: value for key, value in group.items() if key not in replaced}, group["lr"])
     for key in group.keys() - entered.keys():
         del group[key]
@@ -251,14 +252,16 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
 # and write outside the parameter's memory, so a checkpoint that disagrees is refused before it is loaded.
 _SCALE_STATE_KEYS = tuple(scale_key(key) for key in MOMENT_KEYS)
 _MOMENTUM_SCALES, _EXP_AVG_SCALES, _EXP_AVG_SQ_SCALES = _SCALE_STATE_KEYS  # in MOMENT_KEYS' order
-_MOMENT_STATE_KEYS = (*MOMENT_KEYS, *_SCALE_STATE_KEYS)
+_MOMENTUM_CODES, _EXP_AVG_CODES, _EXP_AVG_SQ_CODES = CODES_KEYS
+_MOMENT_STATE_KEYS = (*MOMENT_KEYS, *CODES_KEYS, *_SCALE_STATE_KEYS)
 # State created together, so saved together: lazy initialisation keys on one of each (AdamW's "step", a
 # normalization's "update_sq"), and without the others the next step would restart them or fail part way.
 _SAVED_TOGETHER = ((("step", "exp_avg", "exp_avg_sq"), "AdamW state"),
                    (("update_sq", "update_step"), "a second moment's state"))
-# Each part's moments, each with the key of its 8-bit codes' scales (formed once: a step asks for them per parameter).
-_MUON_MOMENTS = (("momentum_buffer", _MOMENTUM_SCALES),)
-_ADAMW_MOMENTS = (("exp_avg", _EXP_AVG_SCALES), ("exp_avg_sq", _EXP_AVG_SQ_SCALES))
+# Each part's moments, each with the keys of its 8-bit codes and their scales (formed once: a step asks for them per
+# parameter).
+_MUON_MOMENTS = (("momentum_buffer", _MOMENTUM_CODES, _MOMENTUM_SCALES),)
+_ADAMW_MOMENTS = (("exp_avg", _EXP_AVG_CODES, _EXP_AVG_SCALES), ("exp_avg_sq", _EXP_AVG_SQ_CODES, _EXP_AVG_SQ_SCALES))
 
 
 # The state a step's items take, in the order `Muon._init_group` lists it and `Muon._gather` reads it.
@@ -284,19 +287,29 @@ def _used_state_keys(state_dtype: torch.dtype | str | None, normalization: str |
     return tuple(None if key in unused else key for key in keys)
 
 
+def _param_state_keys(keys: tuple[str | None, ...], state: Mapping[str, Any] | None) -> tuple[str | None, ...]:
+    """The keys a step lists a parameter's state under (`keys`: its part's, `_state_keys`): its moments' 8-bit codes'
+    where it keeps codes (a part's moments are in one form; its first moment's key comes first)."""
+    return _keys_with_codes(keys) if state is not None and codes_key(keys[0]) in state else keys
+
+
+@functools.cache
+def _keys_with_codes(keys: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    return tuple(codes_key(key) if key in MOMENT_KEYS else key for key in keys)
+
+
 def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
     saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
     params = chain.from_iterable(group["params"] for group in param_groups)
     for saved_id, param in zip(saved_ids, params):
         saved = state_dict["state"].get(saved_id, {})
         for keys, what in _SAVED_TOGETHER:
-            present = [key for key in keys if key in saved]
+            present = [key for key in keys if key in saved or codes_key(key) in saved]
             if present and len(present) < len(keys):
-                missing = [key for key in keys if key not in saved]
+                missing = [key for key in keys if key not in present]
                 raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has {what} {present} without {missing}")
         _check_saved_moments(saved_id, saved)
-        if any(isinstance(saved.get(key), Tensor) and saved[key].dtype == torch.int8 for key in MOMENT_KEYS) and (
-                "rounding_count" not in saved):
+        if any(key in saved for key in CODES_KEYS) and "rounding_count" not in saved:
             # 8-bit codes are always rounded at random: without their count the random bits would start over.
             raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has 8-bit codes without 'rounding_count'")
         misshapen = _misshapen_state(saved, param.shape)
@@ -311,7 +324,7 @@ def _misshapen_state(state: Mapping[str, Any], shape: torch.Size) -> tuple[str, 
     """The first per-element or scalar state entry that is not a tensor of the shape a parameter of `shape` needs:
     its key, its shape (or type) and the shape expected."""
     for key, value in state.items():
-        if key in MOMENT_KEYS:
+        if key in MOMENT_KEYS or key in CODES_KEYS:
             expected = shape
         elif key in _SCALE_STATE_KEYS:
             expected = torch.Size(scales_shape(shape))
@@ -326,23 +339,33 @@ def _misshapen_state(state: Mapping[str, Any], shape: torch.Size) -> tuple[str, 
 
 def _check_saved_moments(saved_id: Any, saved: dict[str, Any]) -> None:
     """A parameter's saved state holds its moments (state without them would restart them from zero), each a float
-    tensor, or 8-bit codes (int8) with their block scales beside them and only then (codes read without their scales
-    would be taken as values, and values with scales as codes)."""
+    tensor under its key, or 8-bit codes (int8) under theirs with their block scales beside them (codes read without
+    their scales would be taken as values, and values with scales as codes)."""
     where = f"Invalid state_dict: parameter {saved_id!r} has"
-    if saved and not any(key in saved for key in MOMENT_KEYS):
-        raise ValueError(f"{where} state {sorted(saved)} without its moments (one of {', '.join(MOMENT_KEYS)})")
-    for key, scales_key in (*_MUON_MOMENTS, *_ADAMW_MOMENTS):
-        moment, scales = saved.get(key), saved.get(scales_key)
-        if moment is None and scales is not None:
-            raise ValueError(f"{where} {scales_key!r} without {key!r}")
-        if not isinstance(moment, Tensor):
-            continue  # absent, or refused with its shape by the caller
-        if moment.dtype == torch.int8 and scales is None:
-            raise ValueError(f"{where} {key!r} as 8-bit codes without their scales {scales_key!r}")
-        if moment.dtype != torch.int8 and scales is not None:
-            raise ValueError(f"{where} {scales_key!r} beside a {moment.dtype} {key!r}, which is not 8-bit codes")
-        if moment.dtype != torch.int8 and not moment.is_floating_point():
-            raise ValueError(f"{where} {key!r} of dtype {moment.dtype} (expected a float tensor, or 8-bit codes)")
+    if saved and not any(key in saved for key in (*MOMENT_KEYS, *CODES_KEYS)):
+        raise ValueError(f"{where} state {sorted(saved)} without its moments (one of {', '.join(MOMENT_KEYS)}, or "
+                         f"their 8-bit codes {', '.join(CODES_KEYS)})")
+    for key, codes_key_, scales_key in (*_MUON_MOMENTS, *_ADAMW_MOMENTS):
+        values, codes, scales = saved.get(key), saved.get(codes_key_), saved.get(scales_key)
+        if values is not None and codes is not None:
+            raise ValueError(f"{where} both {key!r} and its 8-bit codes {codes_key_!r}")
+        if codes is None and scales is not None:
+            raise ValueError(f"{where} {scales_key!r} without the codes they scale ({codes_key_!r})")
+        if isinstance(codes, Tensor) and codes.dtype != torch.int8:
+            raise ValueError(f"{where} {codes_key_!r} of dtype {codes.dtype} (8-bit codes are torch.int8)")
+        if codes is not None and scales is None:
+            raise ValueError(f"{where} 8-bit codes {codes_key_!r} without their scales {scales_key!r}")
+        if isinstance(values, Tensor) and not values.is_floating_point():
+            raise ValueError(f"{where} {key!r} of dtype {values.dtype} (expected a float tensor; 8-bit codes go under "
+                             f"{codes_key_!r})")
+
+
+def _codes_under_their_keys(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved parameter's state with 8-bit codes found under their moment's own key (where versions before
+    2026-11-27 kept them) moved to theirs."""
+    moved = {key: codes_key(key) for key in MOMENT_KEYS
+             if isinstance(saved.get(key), Tensor) and saved[key].dtype == torch.int8 and codes_key(key) not in saved}
+    return {moved.get(key, key): value for key, value in saved.items()} if moved else saved
 
 
 def _moment_form(param: Tensor, state_dtype: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
@@ -356,27 +379,27 @@ def _moment_form(param: Tensor, state_dtype: torch.dtype | str | None) -> tuple[
     return stored_dtype(param.dtype, state_dtype), is_quantized(state_dtype)
 
 
-def _keep_moments(state: dict[str, Any], param: Tensor, moments: tuple[tuple[str, str], ...],
+def _keep_moments(state: dict[str, Any], param: Tensor, moments: tuple[tuple[str, str, str], ...],
                   form: tuple[torch.dtype, bool], rounding_count: Tensor | None) -> None:
-    """The `moments` (each key with its scales' key) in `form` (see `_moment_form`): created as zeros, or converted
-    from another form (the group's state_dtype was changed, or a checkpoint saved under another one or another sharding
-    was loaded)."""
+    """The `moments` (each key with its codes' and scales' keys) in `form` (see `_moment_form`): created as zeros, or
+    converted from another form (the group's state_dtype was changed, or a checkpoint saved under another one or
+    another sharding was loaded)."""
     dtype, quantized = form
-    for key, scales_key in moments:
-        moment = state.get(key)
-        if moment is not None and moment.dtype == dtype and (scales_key in state) == quantized:
+    for key, codes, scales_key in moments:
+        kept_key = codes if quantized else key
+        moment = state.get(kept_key)
+        if moment is not None and moment.dtype == dtype:
             continue
         scales = state.pop(scales_key, None)
-        previous = None
-        if key in state:
-            previous = working_copy(key, local_tensor(state[key]), local_or_none(scales))
-        state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+        stored = state.pop(codes if codes in state else key, None)
+        previous = None if stored is None else working_copy(key, local_tensor(stored), local_or_none(scales))
+        state[kept_key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
         if quantized:
             state[scales_key] = zeros_like_resized(param, scales_shape(param.shape), torch.float32)
         if previous is None:
             continue
         if quantized:
-            store_([key], [local_tensor(state[key])], [local_tensor(state[scales_key])], [previous],
+            store_([key], [local_tensor(state[codes])], [local_tensor(state[scales_key])], [previous],
                    [rounding_count], torch.ones(1, device=previous.device), [shard_positions(param)])
         else:
             local_tensor(state[key]).copy_(previous)
@@ -855,7 +878,8 @@ class Muon(Optimizer):
             if param.grad is not None:
                 view = _view(group, param)
                 state = self._prepared_state(group, param, view)
-                state_tensors.extend(map(state.get, muon_keys if view is not None else adamw_keys))
+                state_tensors.extend(map(state.get, _param_state_keys(muon_keys if view is not None else adamw_keys,
+                                                                      state)))
 
     def _gather(self, group: dict[str, Any], state_tensors: list[Tensor | None],
                 hold: bool) -> tuple[list[MuonTensors], list[AdamWTensors]]:
@@ -877,22 +901,23 @@ class Muon(Optimizer):
                 entries.append((param, param.dtype, param.shape, None, (), (), None))
                 continue
             view = _view(group, param)
+            param_state = self.state[param] if hold else None
             if view is not None:
-                keys, count = muon_keys, len(_MUON_STATE)
+                keys, count = _param_state_keys(muon_keys, param_state), len(_MUON_STATE)
                 momentum, skips, rounding_count, scales, second_moment, update_step = values = tuple(
                     state_tensors[start:start + count])
                 item = MuonTensors(param, grad, momentum, skips, view, second_moment, update_step, rounding_count,
                                    scales)
                 muon_items.append(item)
             else:
-                keys, count = adamw_keys, len(_ADAMW_STATE)
+                keys, count = _param_state_keys(adamw_keys, param_state), len(_ADAMW_STATE)
                 exp_avg, exp_avg_sq, step, skips, rounding_count, exp_avg_scales, exp_avg_sq_scales = values = tuple(
                     state_tensors[start:start + count])
                 item = AdamWTensors(param, grad, exp_avg, exp_avg_sq, step, skips, rounding_count, exp_avg_scales,
                                     exp_avg_sq_scales)
                 adamw_items.append(item)
             start += count
-            entries.append((param, param.dtype, param.shape, self.state[param] if hold else None, keys, values, item))
+            entries.append((param, param.dtype, param.shape, param_state, keys, values, item))
         if hold:
             self._held[id(group)] = _HeldItems(group["params"], tuple(map(group.get, _LAYOUT_OPTIONS)), self.state,
                                                entries, muon_items, adamw_items)
@@ -1129,6 +1154,8 @@ class Muon(Optimizer):
                                                                         saved.get("initial_lr", saved["lr"]))
                                                      for saved in state_dict["param_groups"]]}
         state_dict = _aligned_by_name(state_dict, self.param_groups)
+        state_dict = {**state_dict, "state": {saved_id: _codes_under_their_keys(saved)
+                                              for saved_id, saved in state_dict["state"].items()}}
         state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved}
                                                      for saved in state_dict["param_groups"]]}
         for saved in state_dict["param_groups"]:

@@ -33,12 +33,12 @@ from torch import Tensor
 
 from .functional import (AdamWTensors, MuonTensors, Rates, adamw_update, buckets, by_device, muon_update,
                          nonfinite_flags, picked)
-from .state_precision import MOMENT_KEYS, scale_key
+from .state_precision import CODES_KEYS, MOMENT_KEYS, scale_key
 
 OFFLOAD_TARGETS: tuple[str | None, ...] = (None, "cpu")
 # The state the option moves: the moments and their block scales, and NorMuon/AdaMuon's second moment. Counters stay
 # with the parameter (a few bytes, read by every step's bookkeeping).
-OFFLOADED_STATE = (*MOMENT_KEYS, *(scale_key(key) for key in MOMENT_KEYS), "update_sq")
+OFFLOADED_STATE = (*MOMENT_KEYS, *CODES_KEYS, *(scale_key(key) for key in MOMENT_KEYS), "update_sq")
 # Bytes of state a group fetches to the device at most, where it can: AdamW parameters go in groups of up to this
 # much (a larger one cut into pieces where it can be, `_pieces`), and a group of up to this much takes its copies from
 # a buffer kept between steps (a larger one, a bucket of large matrices or moments stored rounded, which stay whole,

@@ -24,7 +24,7 @@ reproducible, traces into a compiled graph, and a checkpoint resumes exactly, re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -37,7 +37,10 @@ STATE_DTYPES: tuple[torch.dtype | str | None, ...] = (None, torch.bfloat16, "int
 # with blocks of 32, 0.94% of 128, 0.97% of 256, 1.01% of whole 512-entry rows; AdamW's e4m3 codes 3.4-3.8% for every
 # size. 256 keeps the scales at 1.6% of the codes' bytes (4 / 256) for an error within 0.2 points of 32's.
 BLOCK = 256
-# State keys of the moments, whose "int8" form keeps its scales beside them under "<key>_scale".
+# State keys of the moments. Their "int8" form is kept under keys of its own: the codes under "<key>_codes", their
+# scales under "<key>_scale". DCP loads a checkpoint into the state at hand, cast to its dtypes: codes under the
+# moment's own key loaded into another form's values as numbers (and torch's flatten_optimizer_state_dict rebuilds a
+# state's keys from the live state, so a state dict keyed apart from it would not load there).
 MOMENT_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 _LINEAR_CODED = ("momentum_buffer",)  # the other moments take e4m3 codes
 _STORED_AS_ROOT = ("exp_avg_sq",)
@@ -76,6 +79,19 @@ def is_quantized(state_dtype: torch.dtype | str | None) -> bool:
 
 def scale_key(key: str) -> str:
     return f"{key}_scale"
+
+
+def codes_key(key: str) -> str:
+    return f"{key}_codes"
+
+
+CODES_KEYS = tuple(map(codes_key, MOMENT_KEYS))
+
+
+def stored_moment(state: Mapping[str, Tensor], key: str) -> tuple[Tensor, Tensor | None]:
+    """A parameter's moment `key` as its state keeps it: its 8-bit codes and their scales, or its values and None."""
+    codes = state.get(codes_key(key))
+    return (state[key], None) if codes is None else (codes, state[scale_key(key)])
 
 
 def scales_shape(shape: Sequence[int]) -> tuple[int, ...]:
