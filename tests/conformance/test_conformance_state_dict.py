@@ -274,3 +274,35 @@ def test_malformed_state_dict_is_treated_as_adamw_treats_it_and_changes_nothing(
         results.append(outcome(target, target_params, state_dict))
     theirs, mine = results
     assert mine in {("load", ValueError), theirs}
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, "int8"])
+def test_dcps_full_state_dict_round_trip_continues_bit_for_bit(state_dtype: torch.dtype | str | None) -> None:
+    # StateDictOptions(full_state_dict=True), as Accelerate saves an FSDP2 model's optimizer: torch's gathering takes
+    # tensors, numbers, strings, lists, dicts and None, and refused the dtypes Muon's groups hold
+    # ("Unexpected value type <class 'torch.dtype'>"); a state dict names them.
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 300), torch.nn.Linear(300, 4))
+
+    options = StateDictOptions(full_state_dict=True)
+    net, twin = model(), model()
+    opt = Muon(net.parameters(), lr=0.02, ns_dtype=torch.float32, state_dtype=state_dtype)
+    params, twin_params = list(net.parameters()), list(twin.parameters())
+    train_steps(opt, params, range(2))
+    saved = through_a_file(get_optimizer_state_dict(net, opt, options=options))
+    assert saved["param_groups"][0]["ns_dtype"] == "torch.float32"
+    with torch.no_grad():
+        for twin_param, param in zip(twin_params, params):
+            twin_param.copy_(param)
+    resumed = Muon(twin.parameters(), lr=0.02, state_dtype=state_dtype)  # DCP loads into the state at hand
+    set_optimizer_state_dict(twin, resumed, saved, options=options)
+    for key in ("ns_dtype", "comm_dtype", "state_dtype"):  # (torch's gathering makes adamw_betas a list, as AdamW's)
+        assert resumed.param_groups[0][key] == opt.param_groups[0][key], key
+    train_steps(opt, params, range(2, 4))
+    train_steps(resumed, twin_params, range(2, 4))
+    assert_all_equal(twin_params, params)
+    assert_same_state(state_snapshot(resumed), state_snapshot(opt))

@@ -158,6 +158,31 @@ _NONE_MEANS = {"adamw_lr_scale": 1.0, "adamw_betas": (0.9, 0.95)}
 _OPTIMIZER_OPTIONS = ("offload", "process_group", "qk_clip", "qk_clip_threshold")
 
 
+# Options whose values may be torch dtypes, which a state dict holds by name ("torch.bfloat16"): DCP's full state dict
+# (`StateDictOptions(full_state_dict=True)`, as Accelerate saves FSDP2 models) takes only tensors, numbers, strings,
+# lists, dicts and None, and refused every Muon state dict ("Unexpected value type <class 'torch.dtype'>").
+_DTYPE_OPTIONS = ("ns_dtype", "comm_dtype", "state_dtype")
+
+
+def _dtypes_named(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: str(value) if key in _DTYPE_OPTIONS and isinstance(value, torch.dtype) else value
+            for key, value in group.items()}
+
+
+def _dtypes_from_names(group: dict[str, Any]) -> dict[str, Any]:
+    """A saved group with the dtypes `_dtypes_named` named as dtypes again (state_dtype's "int8" is no dtype's name)."""
+    return {key: _named_dtype(key, value)
+            if key in _DTYPE_OPTIONS and isinstance(value, str) and value.startswith("torch.") else value
+            for key, value in group.items()}
+
+
+def _named_dtype(key: str, name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Invalid {key}: {name!r} names no torch dtype")
+    return dtype
+
+
 def _param_names(group: dict[str, Any]) -> list[str]:
     """The group's parameter names for messages: `param_names`, else their positions (#0, #1, ...)."""
     return group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
@@ -1138,6 +1163,21 @@ class Muon(Optimizer):
         """How many parameter updates were skipped because a gradient had a NaN or Inf (syncs with the device)."""
         return int(sum(int(state["nonfinite_skips"]) for state in self.state.values() if "nonfinite_skips" in state))
 
+    def state_dict(self) -> dict[str, Any]:
+        # torch's, with the dtype options by name (`_DTYPE_OPTIONS`) before the post-hooks see it, so that a hook sees
+        # what a checkpoint will hold.
+        post_hooks, self._optimizer_state_dict_post_hooks = self._optimizer_state_dict_post_hooks, OrderedDict()
+        try:
+            state_dict = super().state_dict()
+        finally:  # the same dict object again, so the hooks' removal handles still work
+            self._optimizer_state_dict_post_hooks = post_hooks
+        state_dict = {**state_dict, "param_groups": list(map(_dtypes_named, state_dict["param_groups"]))}
+        for hook in post_hooks.values():
+            adapted = hook(self, state_dict)
+            if adapted is not None:
+                state_dict = adapted
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The load pre-hooks run first, as in torch, so that a hook can adapt a checkpoint (rename parameters,
         # reshape state) before the matching and checks below see it; torch's own pass over them is then skipped.
@@ -1150,7 +1190,7 @@ class Muon(Optimizer):
         # optimizers' __setstate__ does. Every loaded group is checked before anything is loaded.
         # Checkpoints from before adamw_lr_scale kept an absolute adamw_lr, which schedulers scaled from the lr
         # they started at (`initial_lr`): that ratio is the scale.
-        state_dict = {**state_dict, "param_groups": [_adamw_lr_as_scale(_from_timm_spellings(saved),
+        state_dict = {**state_dict, "param_groups": [_adamw_lr_as_scale(_from_timm_spellings(_dtypes_from_names(saved)),
                                                                         saved.get("initial_lr", saved["lr"]))
                                                      for saved in state_dict["param_groups"]]}
         state_dict = _aligned_by_name(state_dict, self.param_groups)
