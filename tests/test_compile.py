@@ -271,3 +271,74 @@ def test_a_compiled_model_trains_with_muon() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _matrix_and_vector_params(late_shape: tuple[int, ...]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(shape, generator=generator) for shape in ((16, 32), (32,), late_shape)]
+
+
+@pytest.mark.parametrize("late", ["first_gradient", "add_param_group"])
+def test_a_parameter_whose_state_starts_after_compiling_steps_as_eager(late: str) -> None:
+    # With AdamW parameters (the step's one graph break), checks that branched on the state before `_init_group`
+    # made it diverged from the retrace after the break: dynamo's SpeculationLogDivergence at the first compiled step
+    # with a gradient for a parameter that had none (a frozen layer unfrozen, a group added).
+    fresh_compile_state()
+    params = _matrix_and_vector_params((8, 24))
+    eager_params = [param.clone() for param in params]
+    groups = lambda tensors: tensors if late == "first_gradient" else tensors[:2]  # noqa: E731
+    ours, eager = (optimizer.Muon(groups(tensors), lr=0.02, **FLOAT32_NS) for tensors in (params, eager_params))
+    step = torch.compile(ours.step)
+    for seed in range(4):
+        if seed == 2 and late == "add_param_group":
+            ours.add_param_group({"params": params[2:]})
+            eager.add_param_group({"params": eager_params[2:]})
+        for tensors in (params, eager_params):
+            seeded_grads(tensors, seed)
+            if seed < 2:
+                tensors[2].grad = None
+        step()
+        eager.step()
+    for param, eager_param in zip(params, eager_params):
+        torch.testing.assert_close(param, eager_param, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("change", [{"state_dtype": "int8"}, {"state_dtype": torch.bfloat16},
+                                    {"normalization": "neuron"}], ids=["int8", "bf16", "neuron"])
+def test_a_state_changing_option_set_between_compiled_steps_steps_as_eager(change: dict) -> None:
+    # The state the option converts or creates is made by `_init_group` as dynamo traces; a state check before it
+    # broke the trace (int8: a KeyError in dynamo's guards on the moved moment).
+    fresh_compile_state()
+    params = _matrix_and_vector_params((8, 256))
+    eager_params = [param.clone() for param in params]
+    ours, eager = (optimizer.Muon(tensors, lr=0.02, **FLOAT32_NS) for tensors in (params, eager_params))
+    step = torch.compile(ours.step)
+    for seed in range(4):
+        if seed == 2:
+            for opt in (ours, eager):
+                opt.param_groups[0].update(change)
+        seeded_grads(params, seed)
+        seeded_grads(eager_params, seed)
+        step()
+        eager.step()
+    for param, eager_param in zip(params, eager_params):
+        torch.testing.assert_close(param, eager_param, rtol=1e-5, atol=1e-6)
+
+
+def test_a_float_lr_moved_by_a_scheduler_keeps_one_graph() -> None:
+    # math.isfinite on the float lr dynamo made dynamic broke the graph under fullgraph=True. (Each new value still
+    # recompiles, as the README says: a tensor lr does not.)
+    fresh_compile_state()
+    params = _matrix_and_vector_params((8, 24))[:1]
+    eager_params = [param.clone() for param in params]
+    ours, eager = (optimizer.Muon(tensors, lr=0.02, **FLOAT32_NS) for tensors in (params, eager_params))
+    step = torch.compile(ours.step, fullgraph=True)  # before the schedulers wrap the step, which dynamo skips
+    schedules = [torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9) for opt in (ours, eager)]
+    for seed in range(3):
+        seeded_grads(params, seed)
+        seeded_grads(eager_params, seed)
+        step()
+        eager.step()
+        for schedule in schedules:
+            schedule.step()
+    torch.testing.assert_close(params[0], eager_params[0], rtol=1e-5, atol=1e-6)

@@ -82,7 +82,7 @@ def _check_nonnegative(name: str, value: Any, read_tensors: bool = True) -> None
     number = as_real(value)
     if number is None:  # a 0-dim numpy array prints as its number: say why it is none
         raise _invalid(name, value, f"a finite number >= 0, not a {type(value).__name__}")
-    if not number >= 0 or not math.isfinite(number):
+    if not 0 <= number < math.inf:  # comparisons, which dynamo traces on a float lr it made dynamic (not isfinite)
         raise _invalid(name, value, "a finite number >= 0")
 
 
@@ -373,7 +373,9 @@ def _check_saved_moments(saved_id: Any, saved: dict[str, Any]) -> None:
     for key, codes_key_, scales_key in (*_MUON_MOMENTS, *_ADAMW_MOMENTS):
         values, codes, scales = saved.get(key), saved.get(codes_key_), saved.get(scales_key)
         if values is not None and codes is not None:
-            raise ValueError(f"{where} both {key!r} and its 8-bit codes {codes_key_!r}")
+            raise ValueError(f"{where} both {key!r} and its 8-bit codes {codes_key_!r} (as where torch merged a "
+                             "saved form into another one's state: resume with the saved state_dtype, in a layout "
+                             "that keeps it, then change it)")
         if codes is None and scales is not None:
             raise ValueError(f"{where} {scales_key!r} without the codes they scale ({codes_key_!r})")
         if isinstance(codes, Tensor) and codes.dtype != torch.int8:
@@ -804,9 +806,13 @@ class Muon(Optimizer):
         held = None if held is None else held.items_for(group, self.state)
         if held is None:
             self._check_gradients(group)
-            self._check_state_shapes(group)
             self._check_forced_muon(group)
-            self._check_normalization_state(group)
+            if not torch.compiler.is_compiling():
+                # These read the state, which a compiled step's `_init_group` creates or converts eagerly as dynamo
+                # traces: branching on it first, a retrace after the AdamW part's graph break diverged from the
+                # first trace (SpeculationLogDivergence) when a parameter took its first gradient after compiling.
+                self._check_state_shapes(group)
+                self._check_normalization_state(group)
         return kept, held
 
     @staticmethod
