@@ -312,17 +312,16 @@ def test_a_state_changing_option_set_between_compiled_steps_steps_as_eager(chang
     params = _matrix_and_vector_params((8, 256))
     eager_params = [param.clone() for param in params]
     ours, eager = (optimizer.Muon(tensors, lr=0.02, **FLOAT32_NS) for tensors in (params, eager_params))
-    step = torch.compile(ours.step)
-    for seed in range(4):
+
+    @contextlib.contextmanager
+    def changed_before_the_third_step(seed: int) -> Iterator[None]:
         if seed == 2:
             for opt in (ours, eager):
                 opt.param_groups[0].update(change)
-        seeded_grads(params, seed)
-        seeded_grads(eager_params, seed)
-        step()
-        eager.step()
-    for param, eager_param in zip(params, eager_params):
-        torch.testing.assert_close(param, eager_param, rtol=1e-5, atol=1e-6)
+        yield
+
+    assert_steps_match(torch.compile(ours.step), eager, params, eager_params, steps=4,
+                       around_step=changed_before_the_third_step)
 
 
 def test_a_float_lr_moved_by_a_scheduler_keeps_one_graph() -> None:
