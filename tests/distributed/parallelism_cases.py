@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -153,6 +153,20 @@ def hsdp_case() -> None:
     assert any(name == "all_to_all_single" for name, _ in record), record
 
 
+def two_shard_dims_beside_a_replicate_dim_case() -> None:
+    """A (1, 2, 2) mesh with dim names, its two last dims sharding rows beside a replicate dim: the step runs over
+    their flattened group. Made by torch's `DeviceMesh._flatten()`, registered with the root mesh, that group made
+    torch gather the uneven DTensors of this mesh out of order afterwards (the check below, `full_tensor()`, as a
+    user's code would after the step); the step's own results were right either way."""
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "rows", "more_rows"))
+    placements = (Replicate(), Shard(0), Shard(0))
+    shapes = [(10, 6), (7, 9)]  # uneven: 10 rows as 3, 2, 3, 2; 7 as 2, 2, 2, 1
+    params = [distribute_tensor(t, mesh, placements, src_data_rank=None) for t in randn_tensors(shapes, seed=0)]
+    make_grad = partial(distribute_tensor, device_mesh=mesh, placements=placements, src_data_rank=None)
+    _, _, reference = run_pair(params, make_grad, shapes, comm_dtype=torch.float32)
+    assert_matches(params, reference, FP32_ATOL)
+
+
 def expert_bank_case(world: int, placement: Shard, moves_data: bool) -> None:
     """Two expert banks (E, out, in), one with fewer experts than ranks (empty shards on 4 ranks), and a NaN in
     one expert at step 1 (the bank is skipped everywhere, as on one device). Banks sharded on the expert dim are
@@ -186,4 +200,5 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
     if world == 4:
         cases["fsdp2_over_tensor_parallel_2x2"] = fsdp_over_tensor_parallel_case
         cases["hsdp_replicate_shard_2x2"] = hsdp_case
+        cases["two_shard_dims_beside_a_replicate_dim_1x2x2"] = two_shard_dims_beside_a_replicate_dim_case
     return cases

@@ -18,7 +18,7 @@ def mesh_group(mesh: "dist.DeviceMesh") -> dist.ProcessGroup:
         return mesh.get_group()
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD
-    return mesh._flatten().get_group()  # a sub-mesh of several dims: its flattened group (no public API yet)
+    return _flattened_group(mesh)
 
 
 def spread_mesh_dims(mesh: "dist.DeviceMesh", placements: Sequence["Placement"]) -> tuple[int, ...]:
@@ -38,7 +38,32 @@ def spread_group(mesh: "dist.DeviceMesh", dims: tuple[int, ...]) -> dist.Process
         return mesh_group(mesh)
     if len(dims) == 1:
         return mesh.get_group(dims[0])
-    return mesh[tuple(mesh.mesh_dim_names[i] for i in dims)]._flatten().get_group()  # cached by the root mesh
+    return _flattened_group(mesh[tuple(mesh.mesh_dim_names[i] for i in dims)])
+
+
+# Each flattened sub-mesh's group, by root mesh and sub-mesh layout: made once (every rank of the root mesh takes
+# part in making it, as in `DeviceMesh._flatten`).
+_FLATTENED_GROUPS: dict[tuple["dist.DeviceMesh", object], dist.ProcessGroup] = {}
+
+
+def _flattened_group(mesh: "dist.DeviceMesh") -> dist.ProcessGroup:
+    """One process group over the ranks of a sub-mesh of several dims, made as `DeviceMesh._flatten()` makes it but
+    not registered with the root mesh: once registered, torch 2.13's redistribution gathers a DTensor sharded over
+    those dims in one collective, and for uneven shards put the rows out of order (`full_tensor()` of a (10, 6)
+    tensor placed (Replicate(), Shard(0), Shard(0)) on a (1, 2, 2) mesh), in the user's code after our step. Torch
+    versions whose meshes have no layouts flatten as they do (no public API for either)."""
+    layout = getattr(mesh, "_layout", None)
+    if layout is None:
+        return mesh._flatten().get_group()
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    root = mesh._get_root_mesh()
+    key = (root, layout)
+    if key not in _FLATTENED_GROUPS:
+        flat = type(mesh)(root.device_type, _layout=_MeshLayout([layout.collapse()]), _rank_map=root._rank_map,
+                          mesh_dim_names=("_".join(mesh.mesh_dim_names),), _root_mesh=root)
+        _FLATTENED_GROUPS[key] = flat.get_group()
+    return _FLATTENED_GROUPS[key]
 
 
 def spread_group_ranks(mesh: "dist.DeviceMesh", dims: tuple[int, ...], group: dist.ProcessGroup) -> tuple[int, ...]:
