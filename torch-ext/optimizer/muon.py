@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import operator
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any
@@ -1169,14 +1170,24 @@ class Muon(Optimizer):
         """How many parameter updates were skipped because a gradient had a NaN or Inf (syncs with the device)."""
         return int(sum(int(state["nonfinite_skips"]) for state in self.state.values() if "nonfinite_skips" in state))
 
+    @contextlib.contextmanager
+    def _hooks_held(self, *attributes: str) -> Iterator[tuple[OrderedDict, ...]]:
+        """Torch's hooks of these kinds kept from running inside torch's method, which we wrap to run them ourselves
+        where they belong; yields them. Put back as the same dict objects, so their removal handles still work."""
+        held = tuple(getattr(self, attribute) for attribute in attributes)
+        for attribute in attributes:
+            setattr(self, attribute, OrderedDict())
+        try:
+            yield held
+        finally:
+            for attribute, hooks in zip(attributes, held):
+                setattr(self, attribute, hooks)
+
     def state_dict(self) -> dict[str, Any]:
         # torch's, with the dtype options by name (`_DTYPE_OPTIONS`) before the post-hooks see it, so that a hook sees
         # what a checkpoint will hold.
-        post_hooks, self._optimizer_state_dict_post_hooks = self._optimizer_state_dict_post_hooks, OrderedDict()
-        try:
+        with self._hooks_held("_optimizer_state_dict_post_hooks") as (post_hooks,):
             state_dict = super().state_dict()
-        finally:  # the same dict object again, so the hooks' removal handles still work
-            self._optimizer_state_dict_post_hooks = post_hooks
         state_dict = {**state_dict, "param_groups": list(map(_dtypes_named, state_dict["param_groups"]))}
         for hook in post_hooks.values():
             adapted = hook(self, state_dict)
@@ -1209,14 +1220,9 @@ class Muon(Optimizer):
         _check_saved_state(state_dict, self.param_groups)
         # The post-hooks run last, as in torch, on the state as loaded here (torch's pass casts what the loop below
         # restores; a hook's change made before it was overwritten).
-        pre_hooks, self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_pre_hooks, OrderedDict()
-        post_hooks, self._optimizer_load_state_dict_post_hooks = (self._optimizer_load_state_dict_post_hooks,
-                                                                  OrderedDict())
-        try:
+        with self._hooks_held("_optimizer_load_state_dict_pre_hooks",
+                              "_optimizer_load_state_dict_post_hooks") as (_, post_hooks):
             super().load_state_dict(state_dict)
-        finally:  # the same dict objects again, so the hooks' removal handles still work
-            self._optimizer_load_state_dict_pre_hooks = pre_hooks
-            self._optimizer_load_state_dict_post_hooks = post_hooks
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         for saved_id, param in zip(saved_ids, params):

@@ -41,11 +41,6 @@ def spread_group(mesh: "dist.DeviceMesh", dims: tuple[int, ...]) -> dist.Process
     return _flattened_group(mesh[tuple(mesh.mesh_dim_names[i] for i in dims)])
 
 
-# Each flattened sub-mesh's group, by root mesh and sub-mesh layout: made once (every rank of the root mesh takes
-# part in making it, as in `DeviceMesh._flatten`).
-_FLATTENED_GROUPS: dict[tuple["dist.DeviceMesh", object], dist.ProcessGroup] = {}
-
-
 def _flattened_group(mesh: "dist.DeviceMesh") -> dist.ProcessGroup:
     """One process group over the ranks of a sub-mesh of several dims, made as `DeviceMesh._flatten()` makes it but
     not registered with the root mesh: once registered, torch 2.13's redistribution gathers a DTensor sharded over
@@ -58,12 +53,15 @@ def _flattened_group(mesh: "dist.DeviceMesh") -> dist.ProcessGroup:
     from torch.distributed._mesh_layout import _MeshLayout
 
     root = mesh._get_root_mesh()
-    key = (root, layout)
-    if key not in _FLATTENED_GROUPS:
+    # Kept with the root mesh, as torch keeps its flattened meshes, and made once per layout (every rank of the root
+    # takes part in making it): meshes compare by value, so a cache of our own would hand a mesh rebuilt after a new
+    # init_process_group the destroyed group of an equal one.
+    groups = root.__dict__.setdefault("_muon_flattened_groups", {})
+    if layout not in groups:
         flat = type(mesh)(root.device_type, _layout=_MeshLayout([layout.collapse()]), _rank_map=root._rank_map,
                           mesh_dim_names=("_".join(mesh.mesh_dim_names),), _root_mesh=root)
-        _FLATTENED_GROUPS[key] = flat.get_group()
-    return _FLATTENED_GROUPS[key]
+        groups[layout] = flat.get_group()
+    return groups[layout]
 
 
 def spread_group_ranks(mesh: "dist.DeviceMesh", dims: tuple[int, ...], group: dist.ProcessGroup) -> tuple[int, ...]:
