@@ -6,6 +6,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_muon_newton_schulz
@@ -306,6 +307,13 @@ def test_bad_arguments_are_rejected(kwargs, message):
     arguments = {"G": torch.ones(4, 6), **kwargs}
     with pytest.raises(ValueError, match=message):
         zeropower(**arguments)
+
+
+@pytest.mark.parametrize("steps", [np.int64(3), torch.tensor(3)], ids=["numpy", "tensor"])
+def test_steps_take_what_the_optimizer_takes(steps):
+    """zeropower's steps accept the integers Muon's ns_steps does, and mean the same."""
+    G = random_matrix(12, 20)
+    assert torch.equal(zeropower(G, steps, dtype=torch.float32), zeropower(G, 3, dtype=torch.float32))
 
 
 # --- Gram Newton-Schulz -----------------------------------------------------------------------------------------

@@ -11,15 +11,13 @@ from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
 from .dispatch import check_backend, matmul, resolve_backend, symmetric_gram, symmetric_polynomial
-from .option_values import check_float_dtype
+from .option_values import check_float_dtype, check_ns_steps
 from .precision import default_ns_dtype, matrix_ns_dtype
 from .workspace import Workspace
 
 NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram", "auto")
 PRECONDITIONERS: tuple[str | None, ...] = (None, "aol")
 
-# Each step costs three matrix products, and no schedule here improves past about ten steps.
-_MAX_STEPS = 100
 # A stack of one matrix up to this size (an optimizer's bucket of one small parameter) runs as that matrix: its 2D
 # products take no batch views and no workspace blocks, which saved 0.18-0.29 ms per call from 10x256 to 256x784 in
 # bf16 (0.45 against 0.27 ms at 10x256; torch.optim.Muon's own routine 0.24), up to 512x1024; from 512x2048 the
@@ -46,9 +44,7 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     result has G's shape and dtype.
     """
     _check_matrix(G)
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _MAX_STEPS:
-        raise ValueError(f"Invalid steps: {steps!r} (expected an integer in [1, {_MAX_STEPS}]; each step costs "
-                         "three matrix products and no schedule improves past about ten)")
+    steps = check_ns_steps(steps, "steps")
     if dtype is None:
         dtype = matrix_ns_dtype(default_ns_dtype(G.device), G.device, G.shape)
     check_float_dtype("dtype", dtype)

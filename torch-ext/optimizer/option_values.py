@@ -53,11 +53,16 @@ def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(map(repr, allowed))})")
 
 
-def check_ns_steps(value: Any) -> int:
-    """Newton-Schulz steps as an int, if it is an integer in [1, 100]."""
+# Each Newton-Schulz step costs three matrix products, and no schedule here improves past about ten steps.
+MAX_NS_STEPS = 100
+
+
+def check_ns_steps(value: Any, name: str = "ns_steps") -> int:
+    """Newton-Schulz steps as an int, if it is an integer in [1, MAX_NS_STEPS]."""
     steps = as_integer(value)
-    if steps is None or not 1 <= steps <= 100:
-        raise ValueError(f"Invalid ns_steps: {value!r} (expected an integer in [1, 100])")
+    if steps is None or not 1 <= steps <= MAX_NS_STEPS:
+        raise ValueError(f"Invalid {name}: {value!r} (expected an integer in [1, {MAX_NS_STEPS}]; each step costs "
+                         "three matrix products and no schedule improves past about ten)")
     return steps
 
 
