@@ -671,6 +671,22 @@ def test_float16_newton_schulz_neither_overflows_nor_vanishes(spike: float | Non
     assert ((-param - reference).norm() / reference.norm()).item() < 0.01
 
 
+@pytest.mark.parametrize("ns_dtype, within", [(torch.float32, 1e-3), (torch.bfloat16, 0.03)], ids=str)
+def test_a_float64_gradient_beyond_float32s_range_trains_as_its_scaled_copy(ns_dtype: torch.dtype,
+                                                                           within: float) -> None:
+    # Cast to the iteration's dtype before its norm scaled it, the momentum's entries became inf and the parameter
+    # NaN, with no skip counted. The update does not depend on the gradient's scale.
+    grad = torch.randn(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e40
+    reference = one_step_update(torch.zeros_like(grad), grad)
+    param = torch.zeros_like(grad)
+    param.grad = grad
+    opt = Muon([dict(params=[param], use_muon=True)], lr=1.0, weight_decay=0.0, momentum=0.5, nesterov=False,
+               ns_steps=10, ns_dtype=ns_dtype, adjust_lr_fn=None)
+    opt.step()
+    assert opt.nonfinite_skips() == 0 and torch.isfinite(param).all()
+    assert ((-param - reference).norm() / reference.norm()).item() < within
+
+
 def test_adjust_lr_fns_scale_the_update() -> None:
     grad = torch.randn(12, 48, dtype=torch.float64)
     base = one_step_update(torch.zeros_like(grad), grad)
@@ -716,10 +732,14 @@ def test_a_checkpoint_with_timm_keys_loads_in_our_spelling() -> None:
 @pytest.mark.parametrize("group, message", [
     (dict(betas=(0.9, 0.99), adamw_betas=(0.9, 0.95)), r"Invalid betas: \(0.9, 0.99\) given with adamw_betas"),
     (dict(fallback_lr_scale=0.1, adamw_lr_scale=0.2), r"Invalid fallback_lr_scale: 0.1 given with adamw_lr_scale"),
-    (dict(use_fallback=True, use_muon=True), r"Invalid use_fallback: True contradicts use_muon=True"),
+    (dict(use_fallback=True, use_muon=True), r"Invalid use_fallback: True given with use_muon=True"),
+    (dict(use_fallback=True, use_muon=False), r"Invalid use_fallback: True given with use_muon=False"),
+    (dict(algo="adamuon", normalization="element"), r"Invalid algo: 'adamuon' given with normalization='element'"),
     (dict(use_fallback="yes"), r"Invalid use_fallback: 'yes'"),
+    (dict(use_fallback=0), r"Invalid use_fallback: 0 \(expected True or False\)"),
+    (dict(use_fallback=np.True_), r"Invalid use_fallback: np.True_"),
 ])
-def test_timm_and_our_name_for_one_option_must_agree(group: dict, message: str) -> None:
+def test_timm_and_our_name_for_one_option_are_not_both_given(group: dict, message: str) -> None:
     opt = Muon([torch.randn(4, 4)])
     with pytest.raises(ValueError, match=message):
         opt.add_param_group(dict(params=[torch.randn(4, 4)], **group))

@@ -346,3 +346,173 @@ def test_a_load_post_hook_sees_and_keeps_the_state_as_loaded() -> None:
     loaded = target.state[target.param_groups[0]["params"][0]]
     assert seen == {key: value.dtype for key, value in source.state[params[0]].items()}
     assert not loaded["momentum_buffer_codes"].any()
+
+
+# --- group keys set between steps: kept through a checkpoint, and put back by a refused step ----------------------
+
+BETWEEN_STEPS = [{"adamw_betas": None}, {"adamw_lr_scale": None}, {"betas": (0.8, 0.9)}, {"fallback_lr_scale": 0.5},
+                 {"adamw_lr": 0.01}, {"use_fallback": True}, {"algo": "adamuon"}]
+
+
+@pytest.mark.parametrize("change", BETWEEN_STEPS, ids=lambda change: next(iter(change)))
+def test_a_state_dict_taken_after_a_key_set_between_steps_resumes_as_the_optimizer_would(change: dict) -> None:
+    # The state dict holds the key beside the one the group kept; loading it refused both names ("given with") or
+    # the None, although the optimizer itself stepped on.
+    opt, params = two_groups_after_a_step()
+    opt.param_groups[1].update(change)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed_params = [param.clone() for param in params]
+    resumed = Muon([dict(params=resumed_params[:2]), dict(params=resumed_params[2:])], lr=0.02)
+    resumed.load_state_dict(saved)
+    for seed in (1, 2):
+        seeded_grads(params, seed)
+        seeded_grads(resumed_params, seed)
+        opt.step()
+        resumed.step()
+    assert all(torch.equal(p, q) for p, q in zip(resumed_params, params))
+    assert resumed.param_groups[1] == {**opt.param_groups[1], "params": resumed.param_groups[1]["params"]}
+
+
+def test_adamw_lr_set_again_before_every_step_keeps_the_scale_a_schedule_started_with() -> None:
+    # ZeroRedundancyOptimizer copies its constructor's options (adamw_lr among them) into the optimizer it wraps
+    # before every step: read against the scheduled lr, AdamW's lr stayed pinned at adamw_lr as lr decayed.
+    def trained(set_again: bool) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.randn(8, 6, generator=generator), torch.randn(6, generator=generator)]
+        opt = Muon(params, lr=0.02, adamw_lr=0.01)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.1**epoch)
+        for seed in range(4):
+            if set_again:
+                opt.param_groups[0]["adamw_lr"] = 0.01
+            seeded_grads(params, seed)
+            opt.step()
+            schedule.step()
+        assert opt.param_groups[0]["adamw_lr_scale"] == 0.5
+        return params
+
+    assert all(torch.equal(p, q) for p, q in zip(trained(set_again=True), trained(set_again=False)))
+
+
+def test_a_refused_step_leaves_every_group_as_it_was() -> None:
+    # The first group's timm key had been resolved in place before the second group was refused, and the refused
+    # group had lost the value it kept, so that taking the bad key away did not undo the change.
+    opt, params = two_groups_after_a_step({"adamw_lr_scale": 0.5})
+    opt.param_groups[0]["betas"] = (0.8, 0.9)
+    opt.param_groups[1]["fallback_lr_scale"] = -1.0
+    groups_before = [dict(group) for group in opt.param_groups]
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match="adamw_lr_scale: -1.0"):
+        opt.step()
+    assert opt.param_groups == groups_before
+    assert_unchanged(opt, params, before)
+    del opt.param_groups[1]["fallback_lr_scale"]
+    opt.step()
+    assert opt.param_groups[1]["adamw_lr_scale"] == 0.5 and opt.param_groups[0]["adamw_betas"] == (0.8, 0.9)
+
+
+@pytest.mark.parametrize("key, value", [("offload", "cpu"), ("process_group", None), ("qk_clip_threshold", 50.0),
+                                        ("use_muon", True)])
+def test_a_checkpoint_group_that_no_group_may_hold_is_refused_before_anything_loads(key: str, value: Any) -> None:
+    # Loaded, it replaced the optimizer's state, and every step after was refused.
+    source, _ = two_groups_after_a_step()
+    saved = copy.deepcopy(source.state_dict())
+    saved["param_groups"][1][key] = value  # the second group holds a vector: use_muon=True cannot train it
+    opt, params = two_groups_after_a_step({"adamw_lr_scale": 0.5})
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(saved)
+    assert_unchanged(opt, params, before)
+    assert opt.param_groups[1]["adamw_lr_scale"] == 0.5
+    opt.step()
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, "int8"])
+def test_a_checkpoint_with_state_in_another_memory_layout_resumes_exactly(state_dtype: str | None) -> None:
+    # torch.save keeps a tensor's strides, and a load pre-hook may reshape state: transposed moments were loaded as
+    # they were, and a step's compiled ops refused them part way through (the Muon parameters already updated).
+    def model() -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randn(8, 256, generator=generator), torch.randn(256, 8, generator=generator),
+                torch.randn(6, generator=generator)]
+
+    def make(params: list[torch.Tensor]) -> "optimizer.Muon":
+        return Muon([dict(params=params[:1]), dict(params=params[1:], use_muon=False)], lr=0.02,
+                    state_dtype=state_dtype)
+
+    params, expected_params = model(), model()
+    source, expected = make(params), make(expected_params)
+    for opt, trained in ((source, params), (expected, expected_params)):
+        seeded_grads(trained, 0)
+        opt.step()
+    saved = copy.deepcopy(source.state_dict())
+    for state in saved["state"].values():
+        for key, value in state.items():
+            if value.ndim == 2:
+                state[key] = value.mT.contiguous().mT  # same values, column-major
+    resumed = make(params)
+    resumed.load_state_dict(saved)
+    for seed in (1, 2):
+        for opt, trained in ((resumed, params), (expected, expected_params)):
+            seeded_grads(trained, seed)
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, expected_params))
+
+
+def test_a_decay_beyond_float32s_range_steps_as_torch_rounds_it() -> None:
+    # A fill with 1 - lr * weight_decay refused the number after the momentum had been written ("value cannot be
+    # converted to type float without overflow"); torch.optim.Muon's arithmetic rounds it to an infinity and steps.
+    settings = dict(lr=1e20, weight_decay=1e20, momentum=0.95, nesterov=True, ns_steps=5, eps=1e-7)
+    param = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    reference = param.clone()
+    ours = Muon([param], ns_coefficients="original", ns_dtype=torch.bfloat16, adjust_lr_fn="original", **settings)
+    theirs = torch.optim.Muon([reference], adjust_lr_fn="original", **settings)
+    seeded_grads([param, reference], 0)
+    ours.step()
+    theirs.step()
+    assert torch.equal(param, reference) and torch.isinf(param).all()
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+def test_an_eps_beyond_float32s_range_scales_the_update_to_nothing(ns_dtype: torch.dtype) -> None:
+    # The norm's clamp refused it after the momentum had been written (torch.optim.Muon's refuses it too, at the same
+    # point); dividing by at least eps = 1e39 leaves nothing of the update, so the step only decays.
+    param = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    expected = param.clone()
+    opt = Muon([param], lr=0.02, weight_decay=0.1, eps=1e39, ns_dtype=ns_dtype)
+    for seed in range(2):
+        seeded_grads([param], seed)
+        opt.step()
+        expected.mul_(torch.tensor(1 - 0.02 * 0.1, dtype=torch.float32))
+    assert torch.equal(param, expected)
+
+
+def test_groups_added_after_a_load_or_a_copy_carry_only_muons_options() -> None:
+    # torch's __setstate__ puts `differentiable` in the defaults, and add_param_group put it in every later group.
+    opt = Muon([torch.randn(4, 4)])
+    loaded = Muon([torch.randn(4, 4)])
+    loaded.load_state_dict(opt.state_dict())
+    for each in (loaded, copy.deepcopy(opt)):
+        each.add_param_group(dict(params=[torch.randn(3, 3)]))
+        assert each.param_groups[-1].keys() == opt.param_groups[0].keys()
+
+
+def test_the_dict_given_becomes_the_group_as_in_torch() -> None:
+    params = [torch.randn(8, 6), torch.randn(6)]
+    given = dict(params=params[:1], betas=(0.8, 0.9))
+    opt = Muon([given, dict(params=params[1:])], lr=0.02)
+    assert opt.param_groups[0] is given and given["adamw_betas"] == (0.8, 0.9) and "betas" not in given
+    added = dict(params=[torch.randn(3, 3)])
+    opt.add_param_group(added)
+    assert opt.param_groups[-1] is added
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"adjust_lr_fn": np.array(["original", "spectral"])}, r"adjust_lr_fn"),
+    ({"normalization": np.array([1, 2])}, r"Invalid normalization: array"),
+    ({"lr": 10**400}, r"Invalid learning rate: 1000"),
+    ({"ns_steps": 0}, r"^Invalid ns_steps: 0"),
+])
+def test_an_unreadable_value_is_refused_naming_its_option(options: dict[str, Any], message: str) -> None:
+    # numpy's "truth value of an array is ambiguous", an OverflowError, and ns_steps named as ns_coefficients.
+    with pytest.raises(ValueError, match=message):
+        Muon([torch.randn(4, 4)], **options)

@@ -309,6 +309,17 @@ def test_bad_arguments_are_rejected(kwargs, message):
         zeropower(**arguments)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_float64_matrix_beyond_float32s_range_is_scaled_before_it_is_rounded(dtype: torch.dtype) -> None:
+    # Cast to the iteration's dtype first, its entries became inf and the result NaN; the polar factor does not
+    # depend on the scale.
+    G = random_matrix(12, 20).double()
+    expected = zeropower(G, dtype=dtype)
+    huge = zeropower(G * 1e40, dtype=dtype)
+    assert torch.isfinite(huge).all()
+    torch.testing.assert_close(huge, expected, rtol=0, atol=torch.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("steps", [np.int64(3), torch.tensor(3)], ids=["numpy", "tensor"])
 def test_steps_take_what_the_optimizer_takes(steps):
     """zeropower's steps accept the integers Muon's ns_steps does, and mean the same."""

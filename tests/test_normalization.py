@@ -172,7 +172,7 @@ def test_bad_normalization_options_are_refused_before_anything_changes() -> None
         Muon([torch.randn(4, 8)], normalization="row")
     with pytest.raises(ValueError, match="Invalid algo: 'nadam'"):
         Muon([torch.randn(4, 8)], algo="nadam")
-    with pytest.raises(ValueError, match="Invalid algo: 'adamuon' contradicts normalization='neuron'"):
+    with pytest.raises(ValueError, match="Invalid algo: 'adamuon' given with normalization='neuron'"):
         Muon([torch.randn(4, 8)], algo="adamuon", normalization="neuron")
     first, second = torch.randn(6, 10, dtype=torch.float64), torch.randn(6, 10, dtype=torch.float64)
     opt = Muon([dict(params=[first]), dict(params=[second])], lr=LR, ns_dtype=torch.float64, normalization="element")

@@ -58,6 +58,36 @@ def test_a_degenerate_conv1d_weight_goes_to_adamw(conv: nn.Module) -> None:
     assert found["0.weight"] == (False, None, None)
 
 
+PARAMETRIZATIONS = {"weight_norm": nn.utils.parametrizations.weight_norm,
+                    "spectral_norm": nn.utils.parametrizations.spectral_norm,
+                    "orthogonal": nn.utils.parametrizations.orthogonal}
+
+
+@pytest.mark.parametrize("parametrization", PARAMETRIZATIONS)
+def test_a_parametrized_weight_is_routed_as_its_module_is(parametrization: str) -> None:
+    # The originals a parametrization computes the weight from belong to a ParametrizationList, not to the Linear or
+    # Embedding: the head and the embedding went to Muon, and a Conv1d's 3D original was read as an expert bank.
+    model = TinyLM()
+    parametrize = PARAMETRIZATIONS[parametrization]
+    modules = [model.decoder, model.blocks[0].qkv]
+    if parametrization == "weight_norm":  # the others need a weight that is one matrix
+        modules += [model.embed, model.stem]
+    for module in modules:
+        parametrize(module)
+    found = roles(model)
+    matrices = {name: role for name, role in found.items() if ".parametrizations.weight.original" in name}
+    for name, (use_muon, layout, _) in matrices.items():
+        module = name.split(".parametrizations.")[0]
+        if name.endswith("original0"):  # weight_norm's magnitude: a (rows, 1) column, by the shape rule
+            assert use_muon is False, name
+        elif module in ("decoder", "embed"):
+            assert use_muon is False, name
+        else:
+            assert use_muon is True and layout == ("conv" if module == "stem" else None), name
+    assert len(matrices) == (8 if parametrization == "weight_norm" else 2)
+    assert len(found) == sum(1 for _ in model.named_parameters())
+
+
 def test_tied_head_appears_once_with_adamw() -> None:
     model = TinyLM(tie=True)
     groups = optimizer.muon_param_groups(model)

@@ -191,12 +191,17 @@ def assert_matches_reference(ours: Sequence[Tensor], reference: Reference, setti
     norms), so an entry may differ by about 1% of one update per step taken (test_muon.py's tolerance). AdamW: fused
     against single-tensor AdamW is the same float arithmetic in another order, a few ulps (test_muon.py's 1e-6).
     A 16-bit parameter rounds by up to half a unit of its largest entry at every step, and its 16-bit state (the
-    momentum that Newton-Schulz then reads) adds as much again: measured up to 0.8 unit per step, allow 2."""
+    momentum that Newton-Schulz then reads) adds as much again: measured up to 0.8 unit per step, allow 2. A float64
+    parameter's momentum is divided by its norm in float64 and then rounded to bfloat16 once, where torch rounds it
+    first (a float64 entry beyond float32's range became inf there, and the update NaN): the iterations start a
+    rounding apart, which moved an entry by up to 5% of one update per step (the bf16 result nearer the float64 SVD
+    polar factor, if anything); allow 10%."""
     for index, (param, expected, layout) in enumerate(zip(ours, reference.params(), reference.layouts)):
         if layout == "adamw":
             atol = 1e-6
         else:
-            atol = 0.01 * muon_update_size(param.shape, layout, settings.lr) * steps
+            share = 0.1 if param.dtype == torch.float64 else 0.01
+            atol = share * muon_update_size(param.shape, layout, settings.lr) * steps
         if param.dtype in (torch.bfloat16, torch.float16):
             largest = float(expected.abs().max()) if expected.numel() else 0.0
             atol += 2 * torch.finfo(param.dtype).eps * largest * steps

@@ -73,12 +73,13 @@ def _transposed(base: Tensor) -> Tensor:
     return base.permute(*reversed(range(base.ndim)))
 
 
-def strided(shape: tuple[int, ...], kind: str, seed: int) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+def strided(shape: tuple[int, ...], kind: str, seed: int,
+            dtype: torch.dtype) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
     """A non-contiguous view of `shape` into a larger (column) or reordered (transposed) base."""
     generator = torch.Generator().manual_seed(seed)
     if kind == "column":
-        return (base := torch.randn(*shape, 3, generator=generator)), _column(base), _column
-    base = torch.randn(*reversed(shape), generator=generator)
+        return (base := torch.randn(*shape, 3, generator=generator).to(dtype)), _column(base), _column
+    base = torch.randn(*reversed(shape), generator=generator).to(dtype)
     return base, _transposed(base), _transposed
 
 
@@ -86,11 +87,14 @@ STRIDED_CASES = [(routing, kind) for routing in ROUTINGS for kind in ("column", 
                  if kind == "column" or all(len(shape) >= 2 for shape in routing.shapes)]
 
 
+# bfloat16: the bf16 update of a strided bf16 parameter went through torch's add_, which rounded some entries
+# otherwise than the compiled op a contiguous one takes.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("routing, kind", STRIDED_CASES,
                          ids=[f"{routing.name}-{kind}" for routing, kind in STRIDED_CASES])
-def test_strided_parameters_step_as_contiguous_copies_and_nothing_beside_them_changes(routing: Routing,
-                                                                                      kind: str) -> None:
-    made = [strided(shape, kind, seed) for seed, shape in enumerate(routing.shapes)]
+def test_strided_parameters_step_as_contiguous_copies_and_nothing_beside_them_changes(routing: Routing, kind: str,
+                                                                                      dtype: torch.dtype) -> None:
+    made = [strided(shape, kind, seed, dtype) for seed, shape in enumerate(routing.shapes)]
     bases, views, view_of = zip(*made)
     assert all(not view.is_contiguous() or view.ndim == 0 for view in views)
     bases_before = clones(bases)

@@ -24,6 +24,7 @@ from . import native
 from .launch_plans import launch_plan
 from .newton_schulz import Orthogonalizer, staging_dtype
 from .normalization import normalize, rms_rule_scales, uses_rms_rule
+from .option_values import overflowed_to_infinity
 from .routing import MatrixView
 from .state_precision import advance_counts_
 from .triton_kernels import (TRITON_AVAILABLE, apply_takes, launch_adamw_, launch_apply_, launch_counts_,
@@ -107,7 +108,8 @@ def decay_factors(skipped: Tensor, lr: LearningRate, weight_decay: float, param_
     if isinstance(lr, Tensor):
         factors = (1.0 - lr.to(dtype=dtype, device=skipped.device) * weight_decay).expand(skipped.shape)
     else:
-        factors = torch.full(skipped.shape, 1.0 - lr * weight_decay, dtype=dtype, device=skipped.device)
+        factors = torch.full(skipped.shape, overflowed_to_infinity(1.0 - lr * weight_decay, dtype), dtype=dtype,
+                             device=skipped.device)
     return factors.masked_fill(skipped, 1.0)
 
 
@@ -268,7 +270,8 @@ def _stacks(buckets: Sequence[list[MuonTensors]], workspace: Workspace, orthogon
     """Each bucket's (batch, rows, cols) stack in the dtype its iteration is staged in, those of a dtype one after the
     other in the workspace's block for it."""
     shapes = [_stack_shape(bucket) for bucket in buckets]
-    dtypes = [staging_dtype(orthogonalizer.stack_dtype(shape, device)) for shape in shapes]
+    dtypes = [staging_dtype(orthogonalizer.stack_dtype(shape, device), bucket[0].param.dtype)
+              for shape, bucket in zip(shapes, buckets)]
     stacks: list[Tensor] = [None] * len(buckets)  # type: ignore[list-item] (each filled below)
     for dtype in dict.fromkeys(dtypes):
         members = [index for index, other in enumerate(dtypes) if other == dtype]

@@ -30,7 +30,7 @@ from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, Rates, by_devi
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
 from .option_values import (as_integer, as_real, check_bool, check_choice, check_chunk_size, check_float_dtype,
-                            check_ns_steps, is_real_scalar)
+                            check_ns_steps, is_one_of, is_real_scalar)
 from .offload import (OFFLOAD_TARGETS, StagedUpdates, home_device, keep_at_home, staged_adamw_update,
                       staged_muon_update)
 from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
@@ -107,36 +107,43 @@ def _from_timm_spellings(group: dict[str, Any]) -> dict[str, Any]:
         if group.get(timm_key) is None:
             group.pop(timm_key, None)
             continue
-        if group.get(ours) is not None:
-            raise ValueError(f"Invalid {timm_key}: {group[timm_key]!r} given with {ours}={group[ours]!r} (timm's name "
-                             f"for the same option; give one of them)")
+        _refuse_both_names(timm_key, group[timm_key], ours, group)
         group[ours] = group.pop(timm_key)
     if "use_fallback" in group:
         use_fallback = group.pop("use_fallback")
         if use_fallback is not None:
-            check_choice("use_fallback", use_fallback, (True, False))
-            if group.get("use_muon") is not None and group["use_muon"] == use_fallback:
-                raise ValueError(f"Invalid use_fallback: {use_fallback!r} contradicts use_muon={group['use_muon']!r}")
+            check_bool("use_fallback", use_fallback)
+            _refuse_both_names("use_fallback", use_fallback, "use_muon", group)
             group["use_muon"] = not use_fallback
     algo = group.pop("algo", None)
     if algo is not None:
         check_choice("algo", algo, _TIMM_ALGOS)
-        normalization = _TIMM_ALGOS[algo]
-        if group.get("normalization") not in (None, normalization):
-            raise ValueError(f"Invalid algo: {algo!r} contradicts normalization={group['normalization']!r}")
-        group["normalization"] = normalization
+        _refuse_both_names("algo", algo, "normalization", group)
+        group["normalization"] = _TIMM_ALGOS[algo]
     for (key, timm_value), ours in _TIMM_VALUES.items():
-        if group.get(key) == timm_value:
+        if is_one_of(group.get(key), (timm_value,)):
             group[key] = ours
     return group
 
 
-def _adamw_lr_as_scale(group: dict[str, Any], reference_lr: Any) -> dict[str, Any]:
-    """The group with `adamw_lr` (AdamW's learning rate when lr is `reference_lr`, accepted as a shorthand) turned
+def _refuse_both_names(timm_key: str, value: Any, ours: str, group: dict[str, Any]) -> None:
+    """timm's name and ours for one option, both given (even with equal values): which one is meant is unclear."""
+    if group.get(ours) is not None:
+        raise ValueError(f"Invalid {timm_key}: {value!r} given with {ours}={group[ours]!r} (timm's name for the same "
+                         "option; give one of them)")
+
+
+def _adamw_lr_as_scale(group: dict[str, Any], default_lr: Any) -> dict[str, Any]:
+    """The group with `adamw_lr` (AdamW's learning rate when lr is where it started, accepted as a shorthand) turned
     into the `adamw_lr_scale` a group keeps: AdamW's lr is always lr * adamw_lr_scale, so whatever moves lr (a
-    scheduler, ReduceLROnPlateau, a hand-set group["lr"]) moves AdamW's by the same factor."""
+    scheduler, ReduceLROnPlateau, a hand-set group["lr"]) moves AdamW's by the same factor. Where lr started is the
+    `initial_lr` torch's schedulers put in each group, else the group's lr (`default_lr` where it has none): so an
+    adamw_lr that a wrapper sets again before each step (ZeroRedundancyOptimizer copies its constructor's options
+    into the optimizer it wraps) means the same scale at every step of a schedule, and so does an old checkpoint's
+    absolute adamw_lr, from before adamw_lr_scale."""
     if "adamw_lr" not in group:
         return group
+    reference_lr = group.get("initial_lr", group.get("lr", default_lr))
     adamw_lr = group["adamw_lr"]
     group = {key: value for key, value in group.items() if key != "adamw_lr"}
     if adamw_lr is None:
@@ -147,7 +154,8 @@ def _adamw_lr_as_scale(group: dict[str, Any], reference_lr: Any) -> dict[str, An
     _check_nonnegative("adamw_lr", adamw_lr)
     lr = as_real(reference_lr)
     if lr is None or not lr > 0:
-        raise ValueError(f"Invalid adamw_lr: {adamw_lr!r} is kept relative to lr, which is {reference_lr!r} "
+        raise ValueError(f"Invalid adamw_lr: {adamw_lr!r} is kept relative to the lr its group started at, "
+                         f"which is {reference_lr!r} "
                          "(expected lr > 0; or give adamw_lr_scale)")
     return {**group, "adamw_lr_scale": as_real(adamw_lr) / lr}
 
@@ -201,10 +209,11 @@ def _refuse_optimizer_options(group: dict[str, Any]) -> None:
                              "param group (give it to Muon(...))")
 
 
-def _entered(group: dict[str, Any], reference_lr: Any) -> dict[str, Any]:
-    """The group in the form groups keep: timm's spellings, `adamw_lr` and the Nones of `_NONE_MEANS` resolved."""
+def _entered(group: dict[str, Any], default_lr: Any) -> dict[str, Any]:
+    """The group in the form groups keep: timm's spellings, `adamw_lr` and the Nones of `_NONE_MEANS` resolved
+    (`default_lr`: the lr of a group that gives none)."""
     _refuse_optimizer_options(group)
-    return _none_resolved(_adamw_lr_as_scale(_from_timm_spellings(group), reference_lr))
+    return _none_resolved(_adamw_lr_as_scale(_from_timm_spellings(group), default_lr))
 
 
 # Keys a group only enters with, each with the key `_entered` turns it into (or None: refused).
@@ -212,17 +221,24 @@ _ENTRY_KEYS = {**_TIMM_KEYS, "use_fallback": "use_muon", "algo": "normalization"
                **dict.fromkeys(_OPTIMIZER_OPTIONS)}
 
 
-def _reenter_(group: dict[str, Any]) -> None:
-    """A group given, between steps, a key or value it could only enter with (a training loop setting timm's
-    `betas`, `adamw_lr`, or `adamw_betas = None`): resolved in place as if it entered so, where it would be kept and
-    never read. (A group that enters in the kept form, as each does, is left as it is.)"""
-    # Asked as a compiled step traces it too: dynamo cannot trace set operations on a dict's keys.
-    if (not any(key in group for key in _ENTRY_KEYS) and all(group[key] is not None for key in _NONE_MEANS)
-            and not any(group[key] == value for key, value in _TIMM_VALUES)):
-        return
-    # The key set last is the one meant: it replaces the one the group kept.
+def _needs_reentry(group: dict[str, Any]) -> bool:
+    """Whether the group holds a key or value it could only enter with (a training loop setting timm's `betas`,
+    `adamw_lr`, or `adamw_betas = None` between steps), which it would keep and never read. Asked as a compiled step
+    traces it too: dynamo cannot trace set operations on a dict's keys."""
+    return (any(key in group for key in _ENTRY_KEYS) or any(group.get(key, 0) is None for key in _NONE_MEANS)
+            or any(is_one_of(group.get(key), (value,)) for key, value in _TIMM_VALUES))
+
+
+def _reentered(group: dict[str, Any], default_lr: Any) -> dict[str, Any]:
+    """The group as if it entered with its keys and values (`_entered`): the key set last is the one meant, so it
+    replaces the one the group kept."""
     replaced = {ours for key, ours in _ENTRY_KEYS.items() if group.get(key) is not None}
-    entered = _entered({key: value for key, value in group.items() if key not in replaced}, group["lr"])
+    return _entered({key: value for key, value in group.items() if key not in replaced}, default_lr)
+
+
+def _reenter_(group: dict[str, Any]) -> None:
+    """`_reentered` in place, for a group that `_needs_reentry`."""
+    entered = _reentered(group, group["lr"])
     for key in group.keys() - entered.keys():
         del group[key]
     group.update(entered)
@@ -249,11 +265,12 @@ def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
         if as_real(beta) is None or not 0 <= as_real(beta) < 1:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta} (adamw_betas: expected numbers in "
                              "[0, 1))")
+    steps = check_ns_steps(group["ns_steps"])
     try:
-        resolve_coefficients(group["ns_coefficients"], check_ns_steps(group["ns_steps"]), group["preconditioner"])
+        resolve_coefficients(group["ns_coefficients"], steps, group["preconditioner"])
     except ValueError as error:
         raise ValueError(f"Invalid ns_coefficients: {error}") from None
-    if group["adjust_lr_fn"] not in (*ADJUST_LR_FNS, None):
+    if not is_one_of(group["adjust_lr_fn"], (*ADJUST_LR_FNS, None)):
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported (adjust_lr_fn: "
                          f"expected one of {', '.join(map(repr, (*ADJUST_LR_FNS, None)))})")
     check_choice("conv_mode", group["conv_mode"], CONV_MODES)
@@ -695,8 +712,7 @@ class Muon(Optimizer):
                         normalization=normalization, safety_factor=safety_factor, scale_eps=scale_eps,
                         capturable=capturable, verbose=verbose, state_dtype=state_dtype, use_muon=None,
                         param_layout="auto")
-        defaults = _none_resolved(_adamw_lr_as_scale(_from_timm_spellings(
-            {**defaults, "betas": betas, "algo": algo, "fallback_lr_scale": fallback_lr_scale}), lr))
+        defaults = _entered({**defaults, "betas": betas, "algo": algo, "fallback_lr_scale": fallback_lr_scale}, lr)
         _validate_group(defaults)
         # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         self.process_group = process_group
@@ -721,6 +737,9 @@ class Muon(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        # torch's adds a `differentiable` flag to the defaults, which is no option of Muon's: groups added later would
+        # carry it.
+        self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("offload", None)  # a copy from before the option existed
         self._workspace = Workspace()
         self._kept = {}
@@ -728,7 +747,7 @@ class Muon(Optimizer):
         self._staged_updates = StagedUpdates()
         self._checked_gradients = None
         for group in self.param_groups:  # a copy from before an option existed gets its default
-            for key, value in self._option_defaults().items():
+            for key, value in self.defaults.items():
                 group.setdefault(key, value)
 
     def _say_where_offload_applies(self) -> None:
@@ -739,15 +758,12 @@ class Muon(Optimizer):
         warnings.warn(f"Muon: offload={self.offload!r} has no effect here: every parameter is on the CPU already",
                       stacklevel=3)
 
-    def _option_defaults(self) -> dict[str, Any]:
-        """This optimizer's options with their defaults: `self.defaults` without the `differentiable` flag that
-        torch's __setstate__ adds to it, which is not an option of Muon's groups."""
-        return {key: value for key, value in self.defaults.items() if key != "differentiable"}
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        param_group = _entered(param_group, param_group.get("lr", self.defaults["lr"]))
-        candidate = {**self.defaults, **param_group}
-        _validate_group(candidate)
+        entered = _entered(param_group, self.defaults["lr"])
+        _validate_group({**self.defaults, **entered})
+        # The very dict given becomes the group, as in torch: a training loop may hold it and set its lr.
+        param_group.clear()
+        param_group.update(entered)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -816,6 +832,22 @@ class Muon(Optimizer):
                 self._check_normalization_state(group)
         return kept, held
 
+    def _checked_step_inputs(self, option_keys: tuple[str, ...]
+                             ) -> list[tuple[_Kept | None, tuple[list[MuonTensors], list[AdamWTensors]] | None]]:
+        """`_check_step_inputs` of every group. Outside torch.compile, a refusal puts back the groups whose keys
+        `_checked_options` re-entered, so that a refused step leaves every group as it was, a later group's refusal
+        included."""
+        if torch.compiler.is_compiling():
+            return [self._check_step_inputs(group, option_keys) for group in self.param_groups]
+        self._groups_before_reentry: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        try:
+            return [self._check_step_inputs(group, option_keys) for group in self.param_groups]
+        except Exception:
+            for group, before in self._groups_before_reentry:
+                group.clear()
+                group.update(before)
+            raise
+
     @staticmethod
     def _check_gradients(group: dict[str, Any]) -> None:
         """Gradients Muon can take: dense, real, of their parameter's shape and dtype (as autograd makes them; one put
@@ -858,15 +890,18 @@ class Muon(Optimizer):
         what steps keep from them, or None where an option may change in place (a list, a tensor lr) or a
         torch.compile trace runs (whose guards watch the options)."""
         if torch.compiler.is_compiling():
-            _reenter_(group)
+            if _needs_reentry(group):
+                _reenter_(group)
             _validate_group(group, at_step=True)
             return None
         options = operator.itemgetter(*option_keys)(group)  # a third of a generator's time: once per group a step
         kept = self._kept.get(id(group))
         if kept is not None and kept.holds(group, options):
             return kept
-        _reenter_(group)
-        options = operator.itemgetter(*option_keys)(group)
+        if _needs_reentry(group):
+            self._groups_before_reentry.append((group, dict(group)))
+            _reenter_(group)
+            options = operator.itemgetter(*option_keys)(group)
         _validate_group(group, at_step=True)
         return _Kept(options, len(group)) if all(map(_immutable, options)) else None
 
@@ -1111,8 +1146,8 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        option_keys = tuple(self._option_defaults())
-        kept, held = zip(*[self._check_step_inputs(group, option_keys) for group in self.param_groups])
+        option_keys = tuple(self.defaults)
+        kept, held = zip(*self._checked_step_inputs(option_keys))
         # Not while tracing: dynamo in torch 2.11 cannot set an attribute of the optimizer (2.13's can), nor trace id()
         # of a dict. Kept entries stay valid across compiled steps: each holds only while its options are the same.
         if not torch.compiler.is_compiling():
@@ -1204,19 +1239,18 @@ class Muon(Optimizer):
             if adapted is not None:
                 state_dict = adapted
         # A checkpoint from before an option existed lacks its key: the option's default applies, as torch
-        # optimizers' __setstate__ does. Every loaded group is checked before anything is loaded.
-        # Checkpoints from before adamw_lr_scale kept an absolute adamw_lr, which schedulers scaled from the lr
-        # they started at (`initial_lr`): that ratio is the scale.
-        state_dict = {**state_dict, "param_groups": [_adamw_lr_as_scale(_from_timm_spellings(_dtypes_from_names(saved)),
-                                                                        saved.get("initial_lr", saved["lr"]))
+        # optimizers' __setstate__ does. A saved group enters as a group given those keys between steps would at the
+        # next step. Every loaded group is checked before anything is loaded.
+        state_dict = {**state_dict, "param_groups": [_reentered(_dtypes_from_names(saved), self.defaults["lr"])
                                                      for saved in state_dict["param_groups"]]}
         state_dict = _aligned_by_name(state_dict, self.param_groups)
         state_dict = {**state_dict, "state": {saved_id: _codes_under_their_keys(saved)
                                               for saved_id, saved in state_dict["state"].items()}}
-        state_dict = {**state_dict, "param_groups": [{**self._option_defaults(), **saved}
+        state_dict = {**state_dict, "param_groups": [{**self.defaults, **saved}
                                                      for saved in state_dict["param_groups"]]}
-        for saved in state_dict["param_groups"]:
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
             _validate_group(saved)
+            self._check_forced_muon({**saved, "params": group["params"]})
         _check_saved_state(state_dict, self.param_groups)
         # The post-hooks run last, as in torch, on the state as loaded here (torch's pass casts what the loop below
         # restores; a hook's change made before it was overwritten).
@@ -1233,6 +1267,7 @@ class Muon(Optimizer):
             exact_dtypes.update({key: saved[key].dtype for key in saved if key in _MOMENT_STATE_KEYS})
             for key, dtype in exact_dtypes.items():
                 if key in saved:
-                    self.state[param][key] = saved[key].to(dtype=dtype, device=param.device).clone()
+                    self.state[param][key] = saved[key].to(dtype=dtype, device=param.device).clone(
+                        memory_format=torch.contiguous_format)
         for hook in post_hooks.values():
             hook(self)

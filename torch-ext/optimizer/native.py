@@ -339,10 +339,13 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
     a number or a one-element tensor. An update may be strided (a tall matrix's Newton-Schulz result is the
     transpose of a contiguous one).
 
-    The compiled op serves contiguous CPU parameters outside torch.compile, with contiguous or transposed updates,
-    one pass per parameter: there torch's add_ first copies an update of another dtype to the parameter's (a
-    bfloat16 update of a float32 768 x 3072 parameter: a fresh float32 copy, then the add, then the decay's own
-    pass), and reads a transposed operand at a fifth of its speed. The others take the torch ops."""
+    The compiled op serves CPU parameters outside torch.compile, one pass per parameter (an update laid out otherwise
+    than flat or transposed, a batched conv's, is copied flat first, as torch's add_ would need it on the CPU):
+    there torch's add_ first copies an update of another dtype to the parameter's (a bfloat16 update of a float32
+    768 x 3072 parameter: a fresh float32 copy, then the add, then the decay's own pass), and reads a transposed
+    operand at a fifth of its speed. A strided parameter (a transposed or channels_last weight, a column of a larger
+    tensor) steps as its contiguous copy, written back: its entries round as a contiguous parameter's do (torch's
+    bfloat16 add_ rounds some of them otherwise). The others take the torch ops."""
     compiled = _eager_op(_APPLY_UPDATE_OP, params[0].device.type) if params else None
     by_op = [compiled is not None and _op_reads(param, update) for param, update in zip(params, updates)]
     served = [i for i, taken in enumerate(by_op) if taken]
@@ -352,8 +355,12 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
             served_decay = torch.ones(len(served), dtype=torch.float64)
         else:  # no index op where every parameter is served, as on the CPU they all are
             served_decay = (decay if len(served) == len(params) else decay[served]).to(torch.float64)
-        compiled([params[i] for i in served], [updates[i] for i in served], served_decay,
+        stepped = [params[i].contiguous() for i in served]
+        compiled(stepped, [_flat_or_transposed(updates[i]) for i in served], served_decay,
                  torch.tensor([float(step_sizes[i]) for i in served], dtype=torch.float64))
+        for i, copy in zip(served, stepped):
+            if copy is not params[i]:
+                params[i].copy_(copy)
     if decay is not None and rest:
         factors = decay.unbind()  # views: no index tensor to send to a GPU
         torch._foreach_mul_([params[i] for i in rest], [factors[i] for i in rest])
@@ -362,9 +369,13 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
 
 
 def _op_reads(param: Tensor, update: Tensor) -> bool:
-    """Whether the compiled op takes this pair: a contiguous parameter, an update of its shape laid out flat or
-    transposed."""
-    return param.is_contiguous() and update.shape == param.shape and is_contiguous_or_transposed(update)
+    """Whether the compiled op takes this pair: an update of the parameter's shape."""
+    return update.shape == param.shape
+
+
+def _flat_or_transposed(update: Tensor) -> Tensor:
+    """The update in a layout the compiled op reads."""
+    return update if is_contiguous_or_transposed(update) else update.contiguous()
 
 
 def is_contiguous_or_transposed(tensor: Tensor) -> bool:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .coefficients import Coefficients, resolve_coefficients
 from .dispatch import check_backend, matmul, resolve_backend, symmetric_gram, symmetric_polynomial
-from .option_values import check_float_dtype, check_ns_steps
+from .option_values import check_float_dtype, check_ns_steps, overflowed_to_infinity
 from .precision import default_ns_dtype, matrix_ns_dtype
 from .workspace import Workspace
 
@@ -61,7 +61,7 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     if not isinstance(scale_eps, bool):
         raise ValueError(f"Invalid scale_eps: {scale_eps!r} (expected True or False)")
     schedule = resolve_coefficients(coefficients, steps, preconditioner)
-    staged = G.to(staging_dtype(dtype))
+    staged = G.to(staging_dtype(dtype, G.dtype))
     return newton_schulz(staged, schedule, eps, backend, dtype, algorithm, preconditioner, safety_factor, scale_eps,
                          overwrite_input=staged is not G).to(G.dtype)
 
@@ -116,9 +116,13 @@ class Orthogonalizer:
 _ORTHOGONALIZER_FIELDS = tuple(field.name for field in fields(Orthogonalizer))
 
 
-def staging_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a matrix is held in until its norm has scaled it into [-1, 1]: float32 for a float16 iteration,
-    whose range (65504) a gradient element or a Frobenius norm can exceed; `dtype` itself otherwise."""
+def staging_dtype(dtype: torch.dtype, source_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a matrix of `source_dtype` is held in until its norm has scaled it into [-1, 1] for an iteration in
+    `dtype`: float64 for a float64 source, whose entries may lie beyond float32's range (a cast first made them inf,
+    and the scaled matrix NaN); float32 for a float16 iteration, whose range (65504) a gradient element or a
+    Frobenius norm can exceed; `dtype` itself otherwise."""
+    if source_dtype == torch.float64:
+        return torch.float64
     return torch.float32 if dtype == torch.float16 else dtype
 
 
@@ -131,7 +135,8 @@ def newton_schulz(G: Tensor, coefficients: Sequence[Coefficients], eps: float, b
     Works on the wide orientation (the Gram matrix is min(m, n) squared) and scales each matrix by its
     Frobenius norm, an upper bound on its spectral norm, so every singular value starts in [0, 1]. The scaling
     happens in G's dtype, the iteration in `dtype` (None: G's), so a float16 iteration can start from a float32
-    G (see `staging_dtype`). For a 2D G in the iteration's dtype the operations and their order are those of
+    G, and any from a float64 G whose entries lie beyond its range (see `staging_dtype`). For a 2D G in the
+    iteration's dtype the operations and their order are those of
     torch.optim.Muon, so with the "torch" backend results match it bit for bit. The symmetric products go
     through `backend` (None: chosen per device, dtype and shape). `algorithm` is "standard", "gram" (the iteration on
     the Gram matrix, `_gram_iteration`) or "auto" (see `resolve_algorithm`). `preconditioner` None or "aol"
@@ -169,7 +174,9 @@ def norm_denominator(norm: Tensor, shape: Sequence[int], eps: float, safety_fact
     added, so the rounding is torch.optim.Muon's."""
     if safety_factor != 1.0:
         norm = norm * safety_factor
-    return norm + eps * math.sqrt(shape[-1] / shape[-2]) if scale_eps else norm.clamp(min=eps)
+    if scale_eps:
+        return norm + eps * math.sqrt(shape[-1] / shape[-2])
+    return norm.clamp(min=overflowed_to_infinity(eps, norm.dtype))
 
 
 def _scaled(X: Tensor, denominator: Tensor, dtype: torch.dtype, overwrite_input: bool, buffers: _Buffers) -> Tensor:

@@ -3,6 +3,7 @@ by one rule), and the checks of the options that more than the optimizer's group
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from collections.abc import Iterable
@@ -23,12 +24,19 @@ def as_real(value: Any) -> float | None:
     and numpy scalars come from configuration libraries. Python floats and ints are answered before the `numbers.Real`
     check, an abstract class's, which the step asks of every option of every group."""
     if type(value) in (float, int):
-        return float(value)
+        return _as_float(value)
     if isinstance(value, Tensor):
         return float(value) if is_real_scalar(value) else None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    return float(value)
+    return _as_float(value)
+
+
+def _as_float(value: numbers.Real) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int (or Fraction) beyond float's range: as far out as a float goes
+        return math.inf if value > 0 else -math.inf
 
 
 def as_integer(value: Any) -> int | None:
@@ -47,9 +55,25 @@ def check_bool(name: str, value: Any, optional: bool = False) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (expected {'None, ' if optional else ''}True or False)")
 
 
+def overflowed_to_infinity(value: float, dtype: torch.dtype) -> float:
+    """`value`, or the infinity it rounds to in `dtype` where it is beyond the dtype's range: as torch's arithmetic
+    with a Python number (torch.optim's AdamW and Muon) rounds it, where a fill or a clamp with it raises, which would
+    stop a step part way."""
+    return value if abs(value) <= torch.finfo(dtype).max else math.copysign(math.inf, value)
+
+
+def is_one_of(value: Any, allowed: Iterable[Any]) -> bool:
+    """`value in allowed`, False where comparing is elementwise (an array or a tensor of several elements, whose
+    truth value numpy and torch refuse)."""
+    try:
+        return value in allowed
+    except (ValueError, RuntimeError):
+        return False
+
+
 def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
     allowed = tuple(allowed)
-    if value not in allowed:
+    if not is_one_of(value, allowed):
         raise ValueError(f"Invalid {name}: {value!r} (expected one of {', '.join(map(repr, allowed))})")
 
 

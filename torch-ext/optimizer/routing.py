@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 ConvMode = Literal["flatten", "batched"]
 ParamLayout = Literal["auto", "conv", "experts"]
@@ -118,11 +119,27 @@ _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm, nn.
 _HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 
 
+def _trained_weights(module: nn.Module) -> list[Tensor]:
+    """The tensors a module's weight is trained as: the weight, or where a parametrization computes it (weight_norm,
+    spectral_norm, orthogonal from torch.nn.utils.parametrizations) the originals it is computed from, which are
+    what the optimizer sees (reading `module.weight` there computes a new tensor)."""
+    if parametrize.is_parametrized(module, "weight"):
+        return list(module.parametrizations.weight.parameters())
+    return [module.weight]
+
+
+def _owner(module_name: str, module: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:
+    """The module whose parameters these are: for a parametrization's originals, the module it parametrizes."""
+    if isinstance(module, parametrize.ParametrizationList):  # named "<owner>.parametrizations.<tensor name>"
+        return modules[".".join(module_name.split(".")[:-2])]
+    return module
+
+
 def _is_output_head(name: str, module: nn.Module, embedding_weights: set[int], last_linear: nn.Module | None,
                     vocab_sizes: set[int]) -> bool:
     if not isinstance(module, nn.Linear):
         return False
-    if id(module.weight) in embedding_weights:  # tied with an input embedding
+    if any(id(weight) in embedding_weights for weight in _trained_weights(module)):  # tied with an input embedding
         return True
     if name.rsplit(".", 1)[-1] in _HEAD_NAMES:
         return True
@@ -133,20 +150,21 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
     """Yields (name, parameter, role) with role in {"muon", "muon_conv1d", "adamw", "adamw_no_decay"}."""
     modules = dict(model.named_modules())
     embeddings = [m for m in modules.values() if isinstance(m, nn.Embedding | nn.EmbeddingBag)]
-    embedding_weights = {id(m.weight) for m in embeddings}
+    embedding_weights = {id(weight) for m in embeddings for weight in _trained_weights(m)}
     vocab_sizes = {m.num_embeddings for m in embeddings}
     linears = [m for m in modules.values() if isinstance(m, nn.Linear)]
     last_linear = linears[-1] if linears else None
-    heads = {id(m.weight) for name, m in modules.items()
-             if _is_output_head(name, m, embedding_weights, last_linear, vocab_sizes)}
+    heads = {id(weight) for name, m in modules.items()
+             if _is_output_head(name, m, embedding_weights, last_linear, vocab_sizes) for weight in _trained_weights(m)}
     for module_name, module in modules.items():
+        owner = _owner(module_name, module, modules)
         for param_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
-            if isinstance(module, _NORM_TYPES) or param.ndim < 2:
+            if isinstance(owner, _NORM_TYPES) or param.ndim < 2:
                 role = "adamw_no_decay"
             elif id(param) in embedding_weights or id(param) in heads:
                 role = "adamw"
-            elif isinstance(module, nn.Conv1d | nn.ConvTranspose1d):  # 3D: read as (out, in * k), not as experts
+            elif isinstance(owner, nn.Conv1d | nn.ConvTranspose1d):  # 3D: read as (out, in * k), not as experts
                 role = "muon_conv1d" if suits_muon(param.shape, "conv") else "adamw"
             else:
                 role = "muon" if suits_muon(param.shape) else "adamw"
@@ -158,9 +176,10 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
 
     Muon: hidden matrices (Linear, conv, 3D expert banks). AdamW: `nn.Embedding` weights and the output head (a
     Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose output size is a
-    vocabulary size); AdamW without weight decay: norms, biases and other 1D/scalar parameters. `overrides` (any Muon
-    option: lr, weight_decay, adamw_lr_scale, ...) are set on every group; the no-decay group keeps adamw_weight_decay=0.
-    Shared (tied) parameters appear once. Groups carry `param_names`, so state dicts are keyed readably.
+    vocabulary size); AdamW without weight decay: norms, biases and other 1D/scalar parameters. A parametrized
+    weight's originals are routed as the weight would be. `overrides` (any Muon option: lr, weight_decay,
+    adamw_lr_scale, ...) are set on every group; the no-decay group keeps adamw_weight_decay=0. Shared (tied)
+    parameters appear once. Groups carry `param_names`, so state dicts are keyed readably.
     """
     roles: dict[str, list[tuple[str, Tensor]]] = {}
     seen: set[int] = set()
