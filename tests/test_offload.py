@@ -421,6 +421,21 @@ def test_a_groups_homes_are_packed_in_place_and_cross_in_one_copy_each_way() -> 
     assert torch.equal(whole[100:128], before[100:128]) and torch.equal(whole[228:], before[228:])
 
 
+def test_a_zero_size_parameter_alone_in_its_staged_group_steps_as_without_offload() -> None:
+    # Its group has no bytes to move: no buffer was made for it, and every step failed ('NoneType' object has no
+    # attribute 'device_side').
+    def params() -> list[torch.Tensor]:
+        return [torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.zeros(0)]
+
+    staged_params, plain_params = params(), params()
+    with warnings.catch_warnings(), recorded_offload([]):
+        warnings.simplefilter("ignore")  # the CPU-only notice
+        staged = _train(staged_params, 2, offload="cpu")
+    plain = _train(plain_params, 2)
+    assert all(torch.equal(p, q) for p, q in zip(staged_params, plain_params))
+    assert staged.state[staged_params[1]]["step"] == plain.state[plain_params[1]]["step"] == 2
+
+
 def test_offload_on_cpu_parameters_is_a_noop_that_says_so_once() -> None:
     with pytest.warns(UserWarning, match="offload='cpu' has no effect here: every parameter is on the CPU") as notes:
         opt = _train(_model_params(0), 2, offload="cpu")

@@ -171,6 +171,37 @@ def test_the_clip_function_refuses_a_threshold_the_optimizer_refuses(threshold) 
     assert torch.equal(wq.detach(), before)
 
 
+def test_the_clip_function_scales_a_models_parameters_without_no_grad() -> None:
+    # In-place on leaf parameters that require grad, it raised unless the caller wrapped it in torch.no_grad().
+    _, wq, wk, _, _ = attention_weights(2, 2, seed=1)
+    expected = wq.detach().clone()
+    expected[HEAD_DIM:] *= math.sqrt(10.0 / 50.0)
+    optimizer.qk_clip_({0: QKClipLayer(wq, wk, num_heads=2, head_dim=HEAD_DIM)}, {0: torch.tensor([5.0, 50.0])}, 10.0)
+    torch.testing.assert_close(wq.detach(), expected, rtol=1e-6, atol=0)
+
+
+def test_float64_weights_are_clipped_by_float64_scales() -> None:
+    # The logits and scales were float32: a float64 weight took a scale rounded to float32, and a finite logit
+    # beyond float32's range (1e39) became inf and clipped nothing.
+    weights = [torch.randn(2 * HEAD_DIM, MODEL_DIM, dtype=torch.float64) for _ in range(2)]
+    expected = weights[0].clone()
+    expected[HEAD_DIM:] *= math.sqrt(100.0 / 1e39)
+    layer = QKClipLayer(*weights, num_heads=2, head_dim=HEAD_DIM)
+    optimizer.qk_clip_({0: layer}, {0: torch.tensor([5.0, 1e39], dtype=torch.float64)}, 100.0)
+    torch.testing.assert_close(weights[0], expected, rtol=4 * torch.finfo(torch.float64).eps, atol=0)
+
+
+@pytest.mark.parametrize("logits, message", [([torch.ones(2)], "a list"), (torch.ones(2), "a Tensor"),
+                                             ({0: torch.ones(2, dtype=torch.complex64)}, "complex64")])
+def test_logits_of_another_kind_are_refused_naming_qk_logits(logits, message: str) -> None:
+    # A list or a bare tensor failed on an attribute or a tensor's truth value; complex logits lost their imaginary
+    # part.
+    _, wq, wk, _, _ = attention_weights(2, 2, seed=1)
+    opt = Muon([wq, wk], qk_clip={0: QKClipLayer(wq, wk, 2, HEAD_DIM)})
+    with pytest.raises(ValueError, match=f"Invalid qk_logits.*{message}"):
+        opt.step(qk_logits=logits)
+
+
 def test_the_clip_function_refuses_what_is_not_a_layer() -> None:
     with pytest.raises(ValueError, match=r"qk_clip\[0\]: 'attention' \(expected a QKClipLayer\)"):
         optimizer.qk_clip_({0: "attention"}, {0: torch.tensor([5.0, 50.0])}, 10.0)

@@ -439,3 +439,19 @@ def test_the_demo_trains_as_well_with_bfloat16_and_int8_state(quality) -> None:
               for variant in ("muon", "muon-bf16-state", "muon-int8-state")}
     for variant in ("muon-bf16-state", "muon-int8-state"):
         assert abs(losses[variant] - losses["muon"]) <= 0.02 * losses["muon"], losses
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"], ids=str)
+def test_a_float64_adamw_parameter_keeps_its_precision_with_rounded_moments(state_dtype) -> None:
+    # The rounded-moment AdamW step worked on float32 copies of the parameter and gradient: every step rounded a
+    # float64 parameter to float32 (an lr=0 step moved 1 + 1e-12 by 1e-12), and a gradient beyond float32's range
+    # became inf and the parameter NaN, no skip counted.
+    param = torch.full((4, 256), 1 + 1e-12, dtype=torch.float64)
+    opt = Muon([dict(params=[param], use_muon=False)], lr=0.0, weight_decay=0.0, state_dtype=state_dtype)
+    param.grad = torch.randn(param.shape, dtype=torch.float64)
+    opt.step()
+    assert torch.equal(param, torch.full_like(param, 1 + 1e-12))
+    opt.param_groups[0]["lr"] = 1e-3
+    param.grad = torch.randn(param.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e39
+    opt.step()
+    assert torch.isfinite(param).all() and opt.nonfinite_skips() == 0

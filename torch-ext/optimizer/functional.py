@@ -729,13 +729,13 @@ def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor | None, lr: Learning
                       betas: tuple[float, float], eps: float) -> None:
     """One parameter's AdamW step, skipped where found_inf (a float32 flag on its device) is 1.0; None: taken (the
     CPU path, which read the flags first), and then moments stored rounded go through the compiled
-    `adamw_rounded_` where the build has it."""
+    `adamw_rounded_` where the build has it, except a float64 parameter's, which that op would step in float32."""
     settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if item.rounding_count is None:
         _fused_adamw_plain_([item], found_inf, lr, weight_decay, betas=betas, eps=eps)
         return
     param = item.param.contiguous()  # see `_fused_adamw_plain_`
-    if found_inf is None and native.has_compiled_adamw_rounded(param.device.type):
+    if found_inf is None and param.dtype != torch.float64 and native.has_compiled_adamw_rounded(param.device.type):
         native.adamw_rounded_(param, item.grad.reshape(param.shape), item.exp_avg, item.exp_avg_scales,
                               item.exp_avg_sq, item.exp_avg_sq_scales, item.rounding_count, item.rounding_positions,
                               item.step, **settings)
@@ -773,9 +773,10 @@ def _on_contiguous_(items: Sequence[AdamWTensors],
 
 def _fused_adamw_rounded_(item: AdamWTensors, param: Tensor, found_inf: Tensor, *, lr: LearningRate,
                           betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """torch's fused AdamW on float32 working copies of stochastically rounded moments (the kernel wants one dtype
-    for all its tensors: the parameter and gradient then too), ROUNDED_CHUNK entries at a time, whole blocks of
-    "int8" codes each; `param` is contiguous. The count moves once, as the moments' writes are one step."""
+    """torch's fused AdamW on float32 working copies of stochastically rounded moments (float64 for a float64
+    parameter, which float32 would round at every step; the kernel wants one dtype for all its tensors: the
+    parameter and gradient then too), ROUNDED_CHUNK entries at a time, whole blocks of "int8" codes each; `param` is
+    contiguous. The count moves once, as the moments' writes are one step."""
     quantized = item.exp_avg_scales is not None
     # (lines, line) views: an "int8" moment's blocks lie along its last dim, so chunks are whole lines of it.
     line = param.shape[-1] if quantized else 1
@@ -786,10 +787,11 @@ def _fused_adamw_rounded_(item: AdamWTensors, param: Tensor, found_inf: Tensor, 
     positions = None if item.rounding_positions is None else item.rounding_positions.reshape(-1, line)
     taken = 1.0 - found_inf
     rows = max(1, ROUNDED_CHUNK // line)
+    work_dtype = torch.promote_types(param.dtype, torch.float32)
     for first in range(0, lines[0].shape[0], rows):
         chunk = slice(first, first + rows)
         chunk_scales = [None if scale is None else scale[chunk] for scale in scales]
-        moments = [native.load_moment(key, moment[chunk], scale)
+        moments = [native.load_moment(key, moment[chunk], scale).to(work_dtype)
                    for key, moment, scale in zip(_ADAMW_MOMENTS, lines[2:], chunk_scales)]
         if quantized:
             # An 8-bit second moment far below its block's largest rounds to 0 now and then, and a first moment
@@ -798,13 +800,13 @@ def _fused_adamw_rounded_(item: AdamWTensors, param: Tensor, found_inf: Tensor, 
             # time with its boolean mask).
             moments[0].mul_(moments[1].sign())
         param_chunk = lines[0][chunk]
-        work_param = param_chunk.float()
-        torch._fused_adamw_([work_param], [lines[1][chunk].float()], moments[:1], moments[1:], [], [item.step],
+        work_param = param_chunk.to(work_dtype)
+        torch._fused_adamw_([work_param], [lines[1][chunk].to(work_dtype)], moments[:1], moments[1:], [], [item.step],
                             lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False,
                             maximize=False, found_inf=found_inf)
         if work_param is not param_chunk:
             param_chunk.copy_(work_param)
         for key, moment, scale, values in zip(_ADAMW_MOMENTS, lines[2:], chunk_scales, moments):
-            native.store_moment_(key, moment[chunk], scale, values, item.rounding_count, taken,
+            native.store_moment_(key, moment[chunk], scale, values.float(), item.rounding_count, taken,
                                  None if positions is None else positions[chunk], first * line)
     advance_counts_([item.rounding_count], taken.reshape(1))

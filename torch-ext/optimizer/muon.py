@@ -1138,9 +1138,8 @@ class Muon(Optimizer):
             raise RuntimeError("Invalid process_group: this optimizer was copied or unpickled, and a process group "
                                "cannot be saved; set `optimizer.process_group = <the group>` (or None) before step()")
         self._graph_capture_health_check()
-        if qk_logits and not self.qk_clip:
-            raise ValueError(f"Invalid qk_logits: {list(qk_logits)!r} given, but no qk_clip layers are configured")
-        check_qk_logits(self.qk_clip, qk_logits or {})  # before any update: bad input changes nothing
+        qk_logits = {} if qk_logits is None else qk_logits
+        check_qk_logits(self.qk_clip, qk_logits)  # before any update: bad input changes nothing
         threshold = check_threshold(self.qk_clip_threshold) if qk_logits else None  # an attribute, settable
         loss = None
         if closure is not None:

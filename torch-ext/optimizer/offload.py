@@ -387,10 +387,10 @@ class _Lane:
         each group it serves that is not bound to it."""
         served = [(group, slot) for position, group in enumerate(groups)
                   if (slot := self._slot(position, group)) is not None]
-        for slot in range(SLOTS):
-            nbytes = max((group.nbytes for group, served_by in served if served_by == slot), default=0)
+        for slot in {served_by for _, served_by in served}:  # a group of zero-size items binds a buffer too
+            nbytes = max(group.nbytes for group, served_by in served if served_by == slot)
             buffer = self.buffers[slot]
-            if nbytes and (buffer is None or buffer.numel() < nbytes):
+            if buffer is None or buffer.numel() < nbytes:
                 self.buffers[slot] = self.copier.allocate(nbytes, self.device)
         for group, slot in served:
             if group.memory is not self.buffers[slot]:

@@ -120,6 +120,7 @@ def _check_placements(name: str, tensor: Tensor) -> None:
                              "FSDP2 over tensor parallelism on the same dim makes _StridedShard, not yet supported)")
 
 
+@torch.no_grad()  # the weights are a model's leaf parameters: scaled in place, as an optimizer's step does
 def qk_clip_(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Hashable, Tensor], threshold: float,
              process_group: dist.ProcessGroup | None = None) -> None:
     """Clips, in place, the layers named in `qk_logits` (layer key -> per-query-head max logits, shape
@@ -137,9 +138,9 @@ def qk_clip_(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Hashable
 def clip_checked_(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Hashable, Tensor], threshold: float,
                   process_group: dist.ProcessGroup | None = None) -> None:
     """`qk_clip_` of layers, logits and a threshold already checked (`Muon` checks its layers and threshold once and
-    the logits before its update)."""
-    logits = {name: value.detach().to(device=local_tensor(layers[name].query).device, dtype=torch.float32,
-                                      non_blocking=True)
+    the logits before its update). The scales are computed in float32, or float64 for float64 weights."""
+    logits = {name: value.detach().to(device=(query := local_tensor(layers[name].query)).device,
+                                      dtype=torch.promote_types(query.dtype, torch.float32), non_blocking=True)
               for name, value in qk_logits.items()}
     _all_reduce_max_(logits, layers, process_group)
     for name, layer_logits in logits.items():
@@ -147,16 +148,22 @@ def clip_checked_(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Has
 
 
 def check_qk_logits(layers: Mapping[Hashable, QKClipLayer], qk_logits: Mapping[Hashable, Tensor]) -> None:
-    """Raises ValueError for a key that names no layer or logits that are not one value per query head."""
+    """Raises ValueError for a key that names no layer or logits that are not one real value per query head."""
+    if not isinstance(qk_logits, Mapping):
+        raise ValueError(f"Invalid qk_logits: a {type(qk_logits).__name__} (expected a mapping of layer key -> "
+                         "max logits per query head)")
     for name, value in qk_logits.items():
         if name not in layers:
-            raise ValueError(f"Invalid qk_logits key {name!r}: no such QK-clip layer (configured: {list(layers)})")
+            configured = f"configured: {list(layers)}" if layers else "no qk_clip layers are configured"
+            raise ValueError(f"Invalid qk_logits key {name!r}: no such QK-clip layer ({configured})")
         _check_type(name, layers[name])
         heads = layers[name].num_heads
         if not isinstance(value, Tensor) or tuple(value.shape) != (heads,):
             shape = tuple(value.shape) if isinstance(value, Tensor) else value
             raise ValueError(f"Invalid qk_logits[{name!r}]: shape {shape} (expected ({heads},), one max logit "
                              "per query head)")
+        if not value.is_floating_point():
+            raise ValueError(f"Invalid qk_logits[{name!r}]: dtype {value.dtype} (expected a real floating dtype)")
 
 
 def _reduction_group(weight: Tensor, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
