@@ -718,6 +718,17 @@ def test_a_timm_config_steps_as_the_same_config_in_our_spelling() -> None:
     assert timm_style.state_dict()["param_groups"] == ours.state_dict()["param_groups"]  # kept in our spelling
 
 
+def test_timms_use_fallback_false_routes_by_shape_as_no_key_does() -> None:
+    # It was read as use_muon=True: a group with a bias was refused, and a 2 x 300 matrix (aspect 150, which shape
+    # routing gives AdamW, in timm and here) trained with Muon.
+    matrix, bias, thin = torch.randn(12, 48), torch.randn(12), torch.randn(2, 300)
+    opt = Muon([dict(params=[matrix, bias], use_fallback=False), dict(params=[thin], use_fallback=False)])
+    assert [group["use_muon"] for group in opt.param_groups] == [None, None]
+    seeded_grads([matrix, bias, thin], 0)
+    opt.step()
+    assert [set(opt.state[p]) >= {"momentum_buffer"} for p in (matrix, bias, thin)] == [True, False, False]
+
+
 def test_a_checkpoint_with_timm_keys_loads_in_our_spelling() -> None:
     param = torch.randn(8, 8)
     opt = Muon([param], lr=0.02)
@@ -1108,15 +1119,20 @@ def test_a_copied_optimizer_keeps_qk_clip_and_steps_like_the_original(copy_kind:
         assert torch.equal(ours, theirs)
 
 
-def test_a_copied_optimizer_asks_for_its_process_group_again() -> None:
+@pytest.mark.parametrize("copy_kind", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_asks_for_its_process_group_again(copy_kind: str) -> None:
+    # Unpickled, the saved marker was a new string that the step's identity check missed: the step went on to
+    # torch.distributed with it.
     group = object()  # stands for a process group, which cannot be copied into another process
     opt = Muon([torch.randn(4, 4)], process_group=group)
-    twin = copy.deepcopy(opt)
+    twin = copy.deepcopy(opt) if copy_kind == "deepcopy" else pickle.loads(pickle.dumps(opt))
     seeded_grads(twin.param_groups[0]["params"], 0)
-    with pytest.raises(RuntimeError, match="process_group"):
+    with pytest.raises(RuntimeError, match="copied or unpickled"):
         twin.step()
     twin.process_group = None
     twin.step()
+    opt.load_state_dict(twin.state_dict())
+    assert opt.process_group is group  # a load keeps the optimizer's own
 
 
 @pytest.mark.parametrize("index, key, bad", [(0, "momentum_buffer", torch.zeros(6, 8)), (1, "exp_avg", torch.zeros(3)),

@@ -101,7 +101,8 @@ _TIMM_ALGOS = {"muon": None, "adamuon": "element"}  # timm's `algo`: AdaMuon is 
 
 
 def _from_timm_spellings(group: dict[str, Any]) -> dict[str, Any]:
-    """The group with timm's keys and values in our spelling (`use_fallback=True` is `use_muon=False`)."""
+    """The group with timm's keys and values in our spelling (`use_fallback=True` is `use_muon=False`, `False` is
+    `use_muon=None`)."""
     group = dict(group)
     for timm_key, ours in _TIMM_KEYS.items():
         if group.get(timm_key) is None:
@@ -114,7 +115,7 @@ def _from_timm_spellings(group: dict[str, Any]) -> dict[str, Any]:
         if use_fallback is not None:
             check_bool("use_fallback", use_fallback)
             _refuse_both_names("use_fallback", use_fallback, "use_muon", group)
-            group["use_muon"] = not use_fallback
+            group["use_muon"] = False if use_fallback else None  # timm's False routes by shape, as no key does
     algo = group.pop("algo", None)
     if algo is not None:
         check_choice("algo", algo, _TIMM_ALGOS)
@@ -737,6 +738,8 @@ class Muon(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        if state.get("process_group") is not None:  # __getstate__'s marker, a new string once unpickled: step's own
+            self.process_group = _PROCESS_GROUP_NOT_SAVED
         # torch's adds a `differentiable` flag to the defaults, which is no option of Muon's: groups added later would
         # carry it.
         self.defaults.pop("differentiable", None)
