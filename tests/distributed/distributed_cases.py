@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.torch_version import TorchVersion
 
@@ -229,6 +229,59 @@ def nonfinite_shard_case(world: int) -> None:
     dtensor_case((world,), [Shard(0)], nan_at=(0, 1, (9, 2)))
 
 
+def refused_dtensor_case(world: int, kind: str) -> None:
+    """A DTensor the distributed update cannot take, in a later group or last of matrices stepped a chunk each, is
+    refused before any parameter or state changes: a Partial placement (refused group by group, after the earlier
+    groups had stepped), and a local shard other than its placements give (`from_local(run_check=False)`; refused
+    chunk by chunk, after earlier chunks had stepped)."""
+    mesh = init_device_mesh("cpu", (world,))
+    params = [distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for t in randn_tensors(SHAPES[:4], seed=0)]
+    rank = dist.get_rank()
+    if kind == "partial":
+        bad = DTensor.from_local(torch.randn(6, 4), mesh, [Partial()])
+    else:  # 12 rows split 4 | 8 or 2 | 4 | 2 | 4 where torch.chunk's even split gives every rank another count
+        rows = [4, 8] if world == 2 else [2, 4] * (world // 2)
+        bad = DTensor.from_local(torch.randn(rows[rank], 6), mesh, [Shard(0)], run_check=False, shape=(12, 6),
+                                 stride=(6, 1))
+    everything = [*params, bad]
+    opt = Muon([dict(params=params), dict(params=[bad], ns_steps=3)], **OPTIONS, comm_dtype=torch.float32,
+               chunk_size=1)
+    for param, grad in zip(everything, randn_tensors([tuple(p.shape) for p in everything], seed=1)):
+        param.grad = distribute_tensor(grad, mesh, param.placements, src_data_rank=None) if param is not bad else (
+            DTensor.from_local(torch.randn(bad.to_local().shape), mesh, bad.placements, run_check=False,
+                               shape=bad.shape, stride=bad.stride()))
+    before = [param.to_local().clone() for param in everything]
+    try:
+        opt.step()
+    except RuntimeError as error:
+        assert ("Partial" if kind == "partial" else "local shard") in str(error), error
+    else:
+        raise AssertionError("the step was not refused")
+    assert all(torch.equal(param.to_local(), old) for param, old in zip(everything, before))
+    assert not opt.state
+
+
+def float64_beyond_float32_case(world: int) -> None:
+    """float64 parameters with gradients beyond float32's range, sent in float64 to owners iterating in float32: the
+    owners scale them in float64 first, as one device does (they were cast to float32 first: inf, and NaN
+    parameters)."""
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = SHAPES[:4]
+    globals_ = [t.double() for t in randn_tensors(shapes, seed=0)]
+    params = [distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for t in globals_]
+    reference = [t.clone() for t in globals_]
+    options = OPTIONS | dict(comm_dtype=torch.float64)
+    ours, truth = Muon(params, **options), Muon(reference, **options)
+    for step in range(STEPS):
+        for p, q, g in zip(params, reference, randn_tensors(shapes, seed=100 + step)):
+            g = g.double() * 1e200
+            p.grad, q.grad = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None), g.clone()
+        ours.step()
+        truth.step()
+    assert all(torch.isfinite(q).all() for q in reference)
+    assert_matches(params, reference, FP32_ATOL)
+
+
 def fsdp2_case(world: int, max_norm: float | None = None, groups: Sequence[dict] = ()) -> None:
     """fully_shard on a small MLP (uneven shards; empty ones on 4 ranks), biases through AdamW, the batch split
     over ranks; the reference trains an unsharded copy on the whole batch (FSDP2 averages gradients). With
@@ -427,6 +480,9 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "shard0_batched_conv_normalize_spatial": partial(dtensor_case, (world,), [Shard(0)], conv_mode="batched",
                                                          normalize_spatial=True),
         "nonfinite_on_one_shard_skips_everywhere": partial(nonfinite_shard_case, world),
+        "partial_placement_in_a_later_group_is_refused_first": partial(refused_dtensor_case, world, "partial"),
+        "float64_gradients_beyond_float32s_range": partial(float64_beyond_float32_case, world),
+        "local_shard_other_than_placements_is_refused_first": partial(refused_dtensor_case, world, "local"),
         "ddp_process_group": partial(ddp_case, world),
         "ddp_process_group_groups_by_lr_and_decay": partial(ddp_case, world, groups=LR_DECAY_GROUPS),
         "shard0_groups_by_lr_and_decay": partial(groups_by_lr_and_decay_case, world, [Shard(0)]),

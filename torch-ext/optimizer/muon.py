@@ -25,7 +25,7 @@ from .distributed.dtensors import (any_dtensor, is_dtensor, local_or_none, local
                                   zeros_like_resized)
 from .distributed.finite import found_inf_flags
 from .distributed.layout import shard_positions
-from .distributed.step import distributed_muon_update, is_spread
+from .distributed.step import check_spread_param, distributed_muon_update, is_spread
 from .functional import ADJUST_LR_FNS, AdamWTensors, MuonTensors, Rates, by_device
 from .newton_schulz import NS_ALGORITHMS, PRECONDITIONERS, Orthogonalizer, check_safety_factor
 from .normalization import NORMALIZATIONS, moment_dtype, second_moment_shape
@@ -833,6 +833,7 @@ class Muon(Optimizer):
                 # first trace (SpeculationLogDivergence) when a parameter took its first gradient after compiling.
                 self._check_state_shapes(group)
                 self._check_normalization_state(group)
+                self._check_spread_params(group)
         return kept, held
 
     def _checked_step_inputs(self, option_keys: tuple[str, ...]
@@ -878,6 +879,13 @@ class Muon(Optimizer):
                 raise RuntimeError(f"Invalid state: {key!r} of parameter {name} is {found}, expected {expected} for "
                                    f"the parameter's shape {tuple(param.shape)} (resized since its state was made? "
                                    "`del optimizer.state[param]` restarts it, or load a state of its new shape)")
+
+    def _check_spread_params(self, group: dict[str, Any]) -> None:
+        """DTensor parameters a distributed update can spread (`check_spread_param`): it runs group by group and
+        chunk by chunk, so what it refuses part way through is asked of every parameter first."""
+        for param in group["params"]:
+            if param.grad is not None and is_dtensor(param) and self._uses_muon(group, param):
+                check_spread_param(param)
 
     @staticmethod
     def _check_forced_muon(group: dict[str, Any]) -> None:

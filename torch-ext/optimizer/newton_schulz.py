@@ -90,9 +90,9 @@ class Orthogonalizer:
     # (`matrix_ns_dtype`); an explicit ns_dtype holds for every stack.
     dtype_is_default: bool = False
 
-    @property
-    def staging_dtype(self) -> torch.dtype:
-        return staging_dtype(self.dtype)
+    def staging_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a matrix of `source_dtype` is held in until its norm has scaled it (see `staging_dtype`)."""
+        return staging_dtype(self.dtype, source_dtype)
 
     @property
     def recipe(self) -> tuple:

@@ -25,7 +25,8 @@ def orthogonalize(fulls: Sequence[Tensor], views: Sequence[MatrixView], finite: 
     for index, view in enumerate(views):
         buckets.setdefault((view.rows, view.cols), []).append(index)
     for indices in buckets.values():
-        stack = torch.cat([views[i].to_matrices(fulls[i]).to(orthogonalizer.staging_dtype) for i in indices])
+        stack = torch.cat([views[i].to_matrices(fulls[i]).to(orthogonalizer.staging_dtype(fulls[i].dtype))
+                           for i in indices])
         orthogonal = orthogonalizer(stack)
         batches = [views[i].batch for i in indices]
         keep = torch.cat([finite[i].expand(views[i].batch) for i in indices]).view(-1, 1, 1) > 0

@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import offload
 from ..functional import LearningRate, MuonTensors, Rates
@@ -94,6 +95,17 @@ def _check_placements(param: Tensor) -> None:
         if not (placement.is_replicate() or is_shard(placement)):
             raise RuntimeError(f"Muon: parameter of shape {tuple(param.shape)} has placement {placement!r} on mesh "
                                f"{param.device_mesh}; supported are Shard(dim), _StridedShard and Replicate()")
+
+
+def check_spread_param(param: Tensor) -> None:
+    """What a distributed update refuses of a DTensor parameter, asked of every one before any update: a placement
+    it cannot spread over, or a local shard other than its placements give (`DTensor.from_local` with
+    `run_check=False` trusts the caller), which the update meets only at the parameter's chunk."""
+    _check_placements(param)
+    expected, _ = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(local_tensor(param).shape) != tuple(expected):
+        raise RuntimeError(f"Muon: the local shard of a parameter of global shape {tuple(param.shape)} has shape "
+                           f"{tuple(local_tensor(param).shape)}, but its placements give {tuple(expected)}")
 
 
 def _layout(param: Tensor, group: dist.ProcessGroup, dims: tuple[int, ...], world: int) -> ShardLayout:
