@@ -347,7 +347,7 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
     tensor) steps as its contiguous copy, written back: its entries round as a contiguous parameter's do (torch's
     bfloat16 add_ rounds some of them otherwise). The others take the torch ops."""
     compiled = _eager_op(_APPLY_UPDATE_OP, params[0].device.type) if params else None
-    by_op = [compiled is not None and _op_reads(param, update) for param, update in zip(params, updates)]
+    by_op = [compiled is not None and update.shape == param.shape for param, update in zip(params, updates)]
     served = [i for i, taken in enumerate(by_op) if taken]
     rest = [i for i, taken in enumerate(by_op) if not taken]
     if served:
@@ -366,11 +366,6 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
         torch._foreach_mul_([params[i] for i in rest], [factors[i] for i in rest])
     for i in rest:
         _add_scaled_(params[i], updates[i], step_sizes[i])
-
-
-def _op_reads(param: Tensor, update: Tensor) -> bool:
-    """Whether the compiled op takes this pair: an update of the parameter's shape."""
-    return update.shape == param.shape
 
 
 def _flat_or_transposed(update: Tensor) -> Tensor:

@@ -116,7 +116,7 @@ class Orthogonalizer:
 _ORTHOGONALIZER_FIELDS = tuple(field.name for field in fields(Orthogonalizer))
 
 
-def staging_dtype(dtype: torch.dtype, source_dtype: torch.dtype | None = None) -> torch.dtype:
+def staging_dtype(dtype: torch.dtype, source_dtype: torch.dtype) -> torch.dtype:
     """The dtype a matrix of `source_dtype` is held in until its norm has scaled it into [-1, 1] for an iteration in
     `dtype`: float64 for a float64 source, whose entries may lie beyond float32's range (a cast first made them inf,
     and the scaled matrix NaN); float32 for a float16 iteration, whose range (65504) a gradient element or a
