@@ -51,7 +51,7 @@ def test_a_plan_is_built_once_for_tensors_that_stay() -> None:
 
 @pytest.mark.parametrize("change", [
     "gradient elsewhere", "gradient transposed in place of itself", "moment replaced", "parameter data replaced",
-    "positions given"])
+    "moment data replaced", "positions given"])
 def test_a_plan_is_rebuilt_when_a_tensor_it_addresses_changes(change: str) -> None:
     items, build = _items(), _Builds()
     launch_plans.launch_plan(items, _addressed, build)
@@ -66,6 +66,8 @@ def test_a_plan_is_rebuilt_when_a_tensor_it_addresses_changes(change: str) -> No
         items[1] = replace(item, exp_avg=item.exp_avg.clone())
     elif change == "parameter data replaced":
         item.param.data = item.param.data.clone()
+    elif change == "moment data replaced":  # the same item and tensor object, new storage (state moved and back)
+        item.exp_avg.data = item.exp_avg.data.clone()
     else:
         items[1] = replace(item, rounding_positions=torch.arange(16))
     launch_plans.launch_plan(items, _addressed, build)

@@ -330,6 +330,35 @@ def test_one_launch_groups_kept_between_steps_step_as_fused_adamw(monkeypatch: p
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
+def test_kept_launch_groups_follow_state_given_new_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Moving optimizer state to the host and back (`value.data = value.data.to(device)`, a common snippet) gives each
+    state tensor new storage under the same object: the tables kept from the step before must address the new
+    storage (the old is kept alive here, so that a stale table shows as moments that stop moving, not freed memory
+    written)."""
+    monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
+    torch.manual_seed(0)
+    ours = [torch.randn(37), torch.randn(5, 3)]
+    theirs = [p.clone() for p in ours]
+    opt = Muon([dict(params=ours, use_muon=False)], lr=0.01, adamw_lr=ADAMW_SETTINGS["lr"],
+               adamw_betas=ADAMW_SETTINGS["betas"], adamw_eps=ADAMW_SETTINGS["eps"],
+               adamw_weight_decay=ADAMW_SETTINGS["weight_decay"])
+    reference = torch.optim.AdamW(theirs, fused=True, **ADAMW_SETTINGS)
+    old_storage = []
+    for step in range(4):
+        seeded_grads(ours, step, in_place=True)  # the gradients stay where they were: the tables are kept
+        seeded_grads(theirs, step)
+        opt.step()
+        reference.step()
+        for value in (value for state in opt.state.values() for value in state.values()):
+            old_storage.append(value.data)
+            value.data = value.data.clone()
+    for mine, its in zip(ours, theirs):
+        torch.testing.assert_close(mine, its, rtol=1e-6, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(opt.state[mine][key], reference.state[its][key], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
 def test_kept_launch_groups_keep_no_parameter_or_moment_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(functional, "ONE_LAUNCH_DEVICE_TYPES", ("cpu",))
     params = [torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(16).bfloat16())]

@@ -2,12 +2,14 @@
 launch groups, with their address tables. Deciding that anew checks four tensors of every parameter and reads six
 addresses (GPT-2 small's 97 AdamW tensors: ~40% of the part's host time on a 2-core Xeon, where the part's host time
 is what keeps it at 0.49x of fused AdamW's speed on an H100). A plan is reused while it still describes the step's
-tensors: the same parameter and state tensor objects, the parameters at the same addresses (`param.data` may be
-replaced), and gradients at the addresses the tables hold, still contiguous (a gradient is a new tensor at each step,
-but the caching allocator usually hands its block out again; the gradient setter keeps its shape and dtype those of
-the parameter). An item passed again, the very object the plan was built from, is taken to hold the same tensors but
-its gradient, whose check it then skips (~1 µs per item): a caller that replaces a state tensor makes a new item, as
-the optimizer's held items are made anew whenever a parameter's state changes (`muon._HeldItems`).
+tensors: the same parameter and state tensor objects, each still at the address the tables hold (`param.data` or a
+state tensor's `.data` may be replaced: moving optimizer state to the host and back does it), and gradients at the
+addresses the tables hold, still contiguous (a gradient is a new tensor at each step, but the caching allocator
+usually hands its block out again; the gradient setter keeps its shape and dtype those of the parameter). An item
+passed again, the very object the plan was built from, is taken to hold the same tensor objects but its gradient
+(their identities are not checked again, ~1 µs per item; their addresses are): a caller that replaces a state
+tensor makes a new item, as the optimizer's held items are made anew whenever a parameter's state changes
+(`muon._HeldItems`).
 
 The plans are kept by the parameters' addresses, a few at a time (one per call site: the AdamW tensors of each
 device and param group, each offload group), and hold weak references only: a plan never keeps a tensor alive. By
@@ -21,8 +23,9 @@ from __future__ import annotations
 import operator
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain, compress
 from typing import Any
 
 from torch import Tensor
@@ -41,6 +44,8 @@ class LaunchPlan:
     left: list[int]
     items: list[weakref.ref]  # the items themselves
     held: list[tuple[weakref.ref | None, ...]]  # each item's addressed tensors other than its gradient
+    present: tuple[bool, ...]  # which of the items' addressed tensors, in order, are not None
+    held_addresses: tuple[int, ...]  # where those tensors lay
     grad_addresses: tuple[int, ...]
 
     def describes(self, items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | None, ...]]) -> bool:
@@ -51,7 +56,8 @@ class LaunchPlan:
                 for tensor, ref in zip(addressed(item), refs):
                     if (None if ref is None else ref()) is not tensor:
                         return False
-        return (tuple(item.grad.data_ptr() for item in items) == self.grad_addresses
+        return (tuple(_addresses(items, addressed, self.present)) == self.held_addresses
+                and tuple(item.grad.data_ptr() for item in items) == self.grad_addresses
                 and all(item.grad.is_contiguous() for item in items))
 
 
@@ -70,12 +76,26 @@ def launch_plan(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | 
         _plans.move_to_end(key)
         return plan
     groups, left = build(items)
+    present = tuple(tensor is not None for tensor in _tensors(items, addressed))
     plan = LaunchPlan(groups, left, [weakref.ref(item) for item in items],
                       [tuple(None if tensor is None else weakref.ref(tensor) for tensor in addressed(item))
                        for item in items],
+                      present, tuple(_addresses(items, addressed, present)),
                       tuple(item.grad.data_ptr() for item in items))
     _plans[key] = plan
     _plans.move_to_end(key)
     while len(_plans) > MAX_PLANS:
         _plans.popitem(last=False)
     return plan
+
+
+def _tensors(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | None, ...]]) -> Iterator[Tensor | None]:
+    """The items' addressed tensors, item after item (None for an absent one)."""
+    return chain.from_iterable(map(addressed, items))
+
+
+def _addresses(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | None, ...]],
+               present: tuple[bool, ...]) -> Iterator[int]:
+    """The addresses of the items' addressed tensors that `present` marks (iterated in C: a plan's check asks them
+    of every item every step)."""
+    return map(Tensor.data_ptr, compress(_tensors(items, addressed), present))
