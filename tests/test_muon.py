@@ -1293,3 +1293,22 @@ def test_checkpoint_resume_in_a_new_process_is_exact(tmp_path: Path) -> None:
     resumed = torch.load(result)
     for name, value in model.state_dict().items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_a_step_inside_an_autocast_region_is_the_step_outside_it() -> None:
+    """Lightning's manual optimization under precision="bf16-mixed" steps inside autocast: there a float32 Gram
+    iteration ran in bf16 and diverged (an update of spectral norm ~1e4 for ~0.2); torch.optim.Muon's step does not
+    change inside autocast either."""
+    def trained(under_autocast: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(torch.randn(64, 256, generator=torch.Generator().manual_seed(0))),
+                  torch.nn.Parameter(torch.zeros(64))]
+        opt = Muon(params, lr=0.02, ns_dtype=torch.float32, ns_algorithm="gram")
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            params[0].grad = torch.randn(64, 8, generator=generator) @ torch.randn(8, 256, generator=generator)
+            params[1].grad = torch.randn(64, generator=generator)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+                opt.step()
+        return params
+
+    assert all(torch.equal(p, q) for p, q in zip(trained(True), trained(False)))

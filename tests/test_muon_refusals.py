@@ -6,13 +6,14 @@ saved. Also the forms of a valid option that mean what they say (numpy integers,
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from kernel_under_test import optimizer
+from kernel_under_test import optimizer, submodule
 
 Muon = optimizer.Muon
 
@@ -74,6 +75,22 @@ def test_a_bool_option_in_another_form_is_refused_wherever_it_enters(option: str
 def test_an_option_of_the_whole_optimizer_is_refused_in_a_group(key: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"{key}.*whole optimizer"):
         Muon([dict(params=[torch.randn(4, 4)], **{key: value})])
+
+
+def test_a_group_whose_warning_is_raised_as_an_error_is_not_added(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under warnings-as-errors (`pytest -W error`) the slow-dtype warning raises: the group stayed in the optimizer,
+    and adding it again failed as a duplicate."""
+    muon = submodule(optimizer, "muon")
+    monkeypatch.setattr(muon, "warn_if_slow", lambda dtype, device: warnings.warn(f"{dtype} is slow on {device}"))
+    opt = Muon([torch.randn(4, 4)])
+    group = {"params": [torch.randn(8, 8)], "ns_dtype": torch.float16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="is slow on cpu"):
+            opt.add_param_group(dict(group))
+    assert len(opt.param_groups) == 1
+    opt.add_param_group(group)
+    assert len(opt.param_groups) == 2
 
 
 def test_a_group_given_none_for_adamw_lr_scale_or_betas_takes_what_none_stands_for() -> None:

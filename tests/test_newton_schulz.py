@@ -554,3 +554,23 @@ def test_every_option_leaves_the_input_as_it_was(algorithm, shape, dtype):
         zeropower(G, 4, dtype=dtype, algorithm=algorithm, preconditioner=preconditioner)
         zeropower(G.mT, 4, dtype=dtype, algorithm=algorithm, preconditioner=preconditioner)
     assert torch.equal(G, kept)
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+def test_a_surrounding_autocast_region_changes_nothing(algorithm):
+    """Its products run in the dtype asked for: under CPU autocast they ran in bf16 (and the float32 Gram
+    iteration, without its 16-bit guards, diverged on low-rank inputs)."""
+    G = torch.randn(64, 8) @ torch.randn(8, 256)  # rank 8, as a batch of 8 makes a Linear weight's gradient
+    outside = zeropower(G, 5, dtype=torch.float32, algorithm=algorithm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = zeropower(G, 5, dtype=torch.float32, algorithm=algorithm)
+    assert torch.equal(inside, outside)
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 24), LARGE], ids=["batch", "large"])
+def test_an_input_that_requires_grad_is_orthogonalized_as_its_values_are(shape):
+    """The products write into reused buffers, which autograd refuses (a batch, or a matrix past the lone size,
+    raised): computed without autograd, whatever the input."""
+    G = torch.randn(shape)
+    out = zeropower(G.clone().requires_grad_(), 5, dtype=torch.float32)
+    assert not out.requires_grad and torch.equal(out, zeropower(G, 5, dtype=torch.float32))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from kernel_under_test import optimizer
 
@@ -30,10 +31,17 @@ class TinyLM(nn.Module):
             self.decoder.weight = self.embed.weight
 
 
-def roles(model: nn.Module) -> dict[str, tuple[bool, str | None, float | None]]:
-    groups = optimizer.muon_param_groups(model, lr=0.1)
-    return {name: (group["use_muon"], group.get("param_layout"), group.get("adamw_weight_decay"))
-            for group in groups for name, _ in group["params"]}
+def roles(model: nn.Module, **overrides: object) -> dict[str, tuple[bool, str | None, float | None]]:
+    """Per parameter of the default groups: whether a step of Muon over them orthogonalizes it (its state holds a
+    momentum buffer), its group's param_layout where not "auto", and its group's adamw_weight_decay where set."""
+    groups = optimizer.muon_param_groups(model, lr=0.1, **overrides)
+    opt = optimizer.Muon(groups)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    opt.step()
+    return {name: ("momentum_buffer" in opt.state[param], None if group["param_layout"] == "auto" else
+                   group["param_layout"], group.get("adamw_weight_decay"))
+            for group in opt.param_groups for name, param in zip(group["param_names"], group["params"])}
 
 
 def test_default_groups_send_embeddings_head_norms_biases_to_adamw() -> None:
@@ -55,7 +63,56 @@ def test_default_groups_send_embeddings_head_norms_biases_to_adamw() -> None:
 def test_a_degenerate_conv1d_weight_goes_to_adamw(conv: nn.Module) -> None:
     # (64, 1) and (512, 3) as matrices: the shape rule that sends such a Conv2d to AdamW, skipped for Conv1d before.
     found = roles(nn.Sequential(conv))
-    assert found["0.weight"] == (False, None, None)
+    assert found["0.weight"] == (False, "conv", None)
+
+
+@pytest.mark.parametrize(("conv", "to_muon"), [
+    (nn.Conv2d(32, 32, 3, groups=32), {"flatten": True, "batched": False}),  # (32, 9) flattened, 9 x (32, 1) batched
+    (nn.Conv1d(32, 32, 5, groups=32), {"flatten": True, "batched": False}),
+    (nn.Conv2d(200, 2, 3), {"flatten": False, "batched": True}),  # (2, 1800): aspect 900; 9 x (2, 200): 100
+], ids=["depthwise-2d", "depthwise-1d", "wide"])
+@pytest.mark.parametrize("conv_mode", ["flatten", "batched"])
+def test_a_conv_weight_is_routed_by_the_view_of_the_conv_mode_it_steps_in(conv: nn.Module, to_muon: dict[str, bool],
+                                                                          conv_mode: str) -> None:
+    """Decided under the flatten view and forced (use_muon=True), a depthwise conv's (C, 1) matrices were
+    orthogonalized into sign-like unit columns under conv_mode="batched"."""
+    assert roles(nn.Sequential(conv), conv_mode=conv_mode)["0.weight"][0] is to_muon[conv_mode]
+
+
+@pytest.mark.parametrize("key", ["use_muon", "use_fallback", "param_layout"])
+def test_routing_keys_are_refused_as_overrides(key: str) -> None:
+    value = {"use_muon": True, "use_fallback": False, "param_layout": "experts"}[key]
+    with pytest.raises(ValueError, match=f"muon_param_groups: {key} cannot be overridden"):
+        optimizer.muon_param_groups(TinyLM(), **{key: value})
+
+
+def test_a_lazy_modules_parameters_are_refused_until_materialized() -> None:
+    """Before its first forward a lazy weight has no shape (it read as 1D: every weight went to AdamW without
+    weight decay); afterwards it is routed as the module it became."""
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(8))
+    with pytest.raises(ValueError, match="parameter 0.weight is not materialized yet"):
+        optimizer.muon_param_groups(model)
+    model(torch.randn(2, 12))
+    found = roles(model)
+    assert found["0.weight"] == (True, None, None) and found["0.bias"] == (False, None, 0.0)
+
+
+@pytest.mark.parametrize("reparametrize", ["prune", "weight_norm hook"])
+def test_a_weight_computed_by_a_forward_hook_is_routed_as_its_module_is(reparametrize: str) -> None:
+    """Pruning and the older weight_norm train `weight_orig` / `weight_g` and `weight_v`, not `module.weight` (a
+    tensor the hook computes): the head and the embedding went to Muon."""
+    model = TinyLM()
+    for module in (model.embed, model.decoder, model.blocks[0].qkv):
+        if reparametrize == "prune":
+            prune.l1_unstructured(module, "weight", amount=0.5)
+        else:
+            with pytest.warns(FutureWarning):
+                nn.utils.weight_norm(module)
+    found = roles(model)
+    trained = ("weight_orig",) if reparametrize == "prune" else ("weight_g", "weight_v")
+    for name in trained:
+        assert found[f"embed.{name}"][0] is False and found[f"decoder.{name}"][0] is False
+    assert found["blocks.0.qkv.weight_orig" if reparametrize == "prune" else "blocks.0.qkv.weight_v"][0] is True
 
 
 PARAMETRIZATIONS = {"weight_norm": nn.utils.parametrizations.weight_norm,
@@ -100,7 +157,7 @@ def test_overrides_reach_every_group_and_the_optimizer_accepts_them() -> None:
     model = TinyLM()
     groups = optimizer.muon_param_groups(model, lr=0.05, adamw_weight_decay=0.3)
     assert all(group["lr"] == 0.05 for group in groups)
-    decays = sorted(group["adamw_weight_decay"] for group in groups if not group["use_muon"])
+    decays = sorted(group["adamw_weight_decay"] for group in groups if group["use_muon"] is False)
     assert decays == [0.0, 0.3]
     optimizer.Muon(groups)
 
@@ -116,3 +173,22 @@ def test_shape_routing_without_groups() -> None:
     opt.step()
     muon_routed = [p for p in params if "momentum_buffer" in opt.state[p]]
     assert [p.shape for p in muon_routed] == [matrix.shape, conv.shape]
+
+
+def test_muon_takes_a_lazy_modules_parameters_and_routes_them_at_their_first_step() -> None:
+    """As torch's optimizers do: the shape is known once a forward pass has materialized them (reading it before
+    raised in the constructor with ns_dtype or verbose set, and in repr)."""
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(8))
+    opt = optimizer.Muon([dict(params=list(model[0].parameters())),
+                          dict(params=list(model[2].parameters()), use_muon=True, ns_dtype=torch.float32,
+                               verbose=True)])
+    assert "Muon (" in repr(opt)
+    with pytest.raises(ValueError, match=r"use_muon=True for parameter #1 of shape \(8,\)"):
+        model(torch.randn(2, 12)).sum().backward()
+        opt.step()
+    weight, bias = model[0].parameters()
+    before = weight.detach().clone()
+    opt.param_groups[1]["params"] = [model[2].weight]
+    opt.step()
+    assert "momentum_buffer" in opt.state[weight] and "exp_avg" in opt.state[bias]
+    assert "momentum_buffer" in opt.state[model[2].weight] and not torch.equal(weight, before)

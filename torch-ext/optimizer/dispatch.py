@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .precision import cpu_matrix_units, cuda_capability
+from .precision import cpu_matrix_units, cuda_capability, without_autocast
 from .triton_kernels import TRITON_AVAILABLE
 from .triton_ops import gram_product, polynomial_product
 
@@ -175,11 +175,14 @@ def _exact_fp32() -> bool:
     return torch.get_float32_matmul_precision() == "highest"
 
 
+@torch.no_grad()
+@without_autocast
 def gram(X: Tensor, backend: str | None = None) -> Tensor:
     """`X @ X.mT` for a matrix (m, k) or a batch (B, m, k) through the fastest available path.
 
     `backend` ("torch", "cpu", "cuda", "triton") forces a path; one that cannot run here raises a RuntimeError that
-    names it. `kernel_choice(X.shape, X.dtype, X.device)` says which path None picks.
+    names it. `kernel_choice(X.shape, X.dtype, X.device)` says which path None picks. Computed without autograd
+    and in X's dtype inside a `torch.autocast` region too, whichever path runs.
     """
     if not isinstance(X, Tensor) or X.ndim not in (2, 3):
         raise ValueError(f"Invalid X: expected a matrix (m, k) or a batch (B, m, k), got "

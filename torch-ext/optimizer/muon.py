@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
 from .clipping import (CheckedGradients, check_max_norm, clip_by_tensor_norms_, clip_grad_norm_, reads_once,
@@ -33,7 +34,7 @@ from .option_values import (as_integer, as_real, check_bool, check_choice, check
                             check_ns_steps, is_one_of, is_real_scalar)
 from .offload import (OFFLOAD_TARGETS, StagedUpdates, home_device, keep_at_home, staged_adamw_update,
                       staged_muon_update)
-from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow
+from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow, without_autocast
 from .qk_clip import (DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, clip_checked_,
                       resolve_layers)
 from .routing import CONV_MODES, PARAM_LAYOUTS, MatrixView, check_forced_muon, muon_view
@@ -771,18 +772,21 @@ class Muon(Optimizer):
         group = self.param_groups[-1]
         try:
             self._check_forced_muon(group)
-        except ValueError:
-            self.param_groups.pop()  # a rejected group leaves the optimizer as it was
+            if group["ns_dtype"] is not None:
+                for device in {param.device for param in group["params"] if self._uses_muon(group, param)}:
+                    warn_if_slow(group["ns_dtype"], device)
+            if group["verbose"]:
+                self._log_routing(group)
+        except BaseException:  # a warning raised as an error too: a rejected group leaves the optimizer as it was
+            self.param_groups.pop()
             raise
-        if group["ns_dtype"] is not None:
-            for device in {param.device for param in group["params"] if self._uses_muon(group, param)}:
-                warn_if_slow(group["ns_dtype"], device)
-        if group["verbose"]:
-            self._log_routing(group)
 
     def _log_routing(self, group: dict[str, Any]) -> None:
         """timm's `verbose`: where each parameter of a new group goes, and why (logged at INFO)."""
         for name, param in zip(_param_names(group), group["params"]):
+            if is_lazy(param):
+                logger.info("parameter %s (not materialized yet, a lazy module's): routed at its first step", name)
+                continue
             view = _view(group, param)
             if group["use_muon"] is not None:
                 reason = f"use_muon={group['use_muon']} in its group"
@@ -807,7 +811,8 @@ class Muon(Optimizer):
                 for name, param in zip(group.get("param_names") or (), group["params"])}
 
     def _uses_muon(self, group: dict[str, Any], param: Tensor) -> bool:
-        return _view(group, param) is not None
+        """Whether Muon steps `param` (not yet known of a lazy module's parameter before its first forward)."""
+        return not is_lazy(param) and _view(group, param) is not None
 
     @staticmethod
     def _adamw_lr(group: dict[str, Any]) -> float | Tensor:
@@ -894,7 +899,8 @@ class Muon(Optimizer):
         if group["use_muon"] is not True:
             return
         for name, param in zip(_param_names(group), group["params"]):
-            check_forced_muon(name, param.shape)
+            if not is_lazy(param):  # checked at the step that finds it materialized
+                check_forced_muon(name, param.shape)
 
     def _checked_options(self, group: dict[str, Any], option_keys: tuple[str, ...]) -> _Kept | None:
         """The group's options checked (`_validate_group`), unless they are the very objects the last step checked;
@@ -1135,6 +1141,7 @@ class Muon(Optimizer):
             staged_adamw_update(device_items, found_inf, schedule=schedule, **device_settings)
 
     @torch.no_grad()
+    @without_autocast
     def step(self, closure: Callable[[], float] | None = None,
              qk_logits: Mapping[Hashable, Tensor] | None = None) -> float | None:  # type: ignore[override]
         """One optimization step. `closure` re-evaluates the model and returns the loss.

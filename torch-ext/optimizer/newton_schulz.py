@@ -12,7 +12,7 @@ from torch import Tensor
 from .coefficients import Coefficients, resolve_coefficients
 from .dispatch import check_backend, matmul, resolve_backend, symmetric_gram, symmetric_polynomial
 from .option_values import check_float_dtype, check_ns_steps, overflowed_to_infinity
-from .precision import default_ns_dtype, matrix_ns_dtype
+from .precision import default_ns_dtype, matrix_ns_dtype, without_autocast
 from .workspace import Workspace
 
 NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram", "auto")
@@ -26,6 +26,8 @@ PRECONDITIONERS: tuple[str | None, ...] = (None, "aol")
 _LONE_MATRIX_NUMEL = 2**19
 
 
+@torch.no_grad()
+@without_autocast
 def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficients] = "polar_express",
               dtype: torch.dtype | None = None, eps: float = 1e-7, backend: str | None = None,
               algorithm: str = "standard", preconditioner: str | None = None, safety_factor: float = 1.0,
@@ -41,7 +43,8 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     rectangular X) or "auto" (see `resolve_algorithm`). `preconditioner="aol"` rescales X's rows before the first
     step (see `aol_scaled`), and the "polar_express" preset then assumes it (`resolve_coefficients`).
     `safety_factor` (>= 1) and `scale_eps` change the initial scaling as timm's options do (see `newton_schulz`). The
-    result has G's shape and dtype.
+    result has G's shape and dtype. Computed without autograd (its products write into reused buffers), whether G
+    requires grad or not, and in `dtype` inside a `torch.autocast` region too.
     """
     _check_matrix(G)
     steps = check_ns_steps(steps, "steps")

@@ -13,6 +13,7 @@ how busy the machine was, and the gaps are far wider than any timer's noise. Mea
     the conversions make bf16 lose. AMD's Zen 4/5 issue the bf16 dot products at twice their fp32 FMA rate;
   - neither (AMD EPYC with AVX2 only): bf16 58 s against fp32 97 ms (another such CPU: 3x slower), so fp32;
   - float16 without AMX-FP16 or AVX512-FP16 runs a reference kernel (67 s at 2048 on the AVX512-BF16 machine).
+And the products run in the dtype chosen, whatever `torch.autocast` region they are called in (`without_autocast`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import os
 import platform
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, ParamSpec, TypeVar
 
 import torch
 
@@ -203,3 +204,33 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith((__package__, "torch.optim")):
         frame, level = frame.f_back, level + 1
     return level
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def without_autocast(function: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
+    """`function` run with autocast off on every device type: its products run in the dtypes it chose (ns_dtype, the
+    state's), not in a surrounding `torch.autocast` region's (a step that Lightning's manual optimization calls under
+    precision="bf16-mixed" is in one), as torch.optim.Muon's results do not change in one either. Under autocast a
+    float32 Gram iteration ran its products in bfloat16 without the guards its 16-bit form has, and diverged."""
+
+    @functools.wraps(function)
+    def run(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        if not torch._C._is_any_autocast_enabled():
+            return function(*args, **kwargs)
+        enabled = [device_type for device_type in _AUTOCAST_DEVICE_TYPES
+                   if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)]
+        return _with_autocast_off(enabled, lambda: function(*args, **kwargs))
+
+    return run
+
+
+def _with_autocast_off(device_types: list[str], call: Callable[[], _Result]) -> _Result:
+    """call() with autocast off on these device types (nested `with`: torch.compile traces no ExitStack of them)."""
+    if not device_types:
+        return call()
+    with torch.autocast(device_types[0], enabled=False):
+        return _with_autocast_off(device_types[1:], call)

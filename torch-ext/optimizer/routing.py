@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 ConvMode = Literal["flatten", "batched"]
@@ -120,12 +121,16 @@ _HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 
 
 def _trained_weights(module: nn.Module) -> list[Tensor]:
-    """The tensors a module's weight is trained as: the weight, or where a parametrization computes it (weight_norm,
-    spectral_norm, orthogonal from torch.nn.utils.parametrizations) the originals it is computed from, which are
-    what the optimizer sees (reading `module.weight` there computes a new tensor)."""
+    """The tensors a module's weight is trained as: the weight, or where it is computed from others, those, which
+    are what the optimizer sees (reading `module.weight` there computes a new tensor): a parametrization's
+    originals (weight_norm, spectral_norm, orthogonal from torch.nn.utils.parametrizations), and a forward hook's
+    `weight_*` parameters (torch.nn.utils.prune's `weight_orig`, the older torch.nn.utils.weight_norm's `weight_g`
+    and `weight_v`)."""
     if parametrize.is_parametrized(module, "weight"):
         return list(module.parametrizations.weight.parameters())
-    return [module.weight]
+    if "weight" in module._parameters:
+        return [module.weight]
+    return [param for name, param in module.named_parameters(recurse=False) if name.startswith("weight_")]
 
 
 def _owner(module_name: str, module: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:
@@ -147,7 +152,8 @@ def _is_output_head(name: str, module: nn.Module, embedding_weights: set[int], l
 
 
 def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
-    """Yields (name, parameter, role) with role in {"muon", "muon_conv1d", "adamw", "adamw_no_decay"}."""
+    """Yields (name, parameter, role) with role in {"matrix", "matrix_conv1d", "adamw", "adamw_no_decay"}: a
+    matrix's route, Muon or AdamW, is its shape's under the group's options, decided at each step."""
     modules = dict(model.named_modules())
     embeddings = [m for m in modules.values() if isinstance(m, nn.Embedding | nn.EmbeddingBag)]
     embedding_weights = {id(weight) for m in embeddings for weight in _trained_weights(m)}
@@ -160,27 +166,38 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
         owner = _owner(module_name, module, modules)
         for param_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
+            if is_lazy(param):
+                raise ValueError(
+                    f"muon_param_groups: parameter {name} is not materialized yet (a lazy module's), so its role is "
+                    "unknown: run one forward pass first, or give Muon model.parameters(), which routes each "
+                    "parameter by its shape at its first step")
             if isinstance(owner, _NORM_TYPES) or param.ndim < 2:
                 role = "adamw_no_decay"
             elif id(param) in embedding_weights or id(param) in heads:
                 role = "adamw"
             elif isinstance(owner, nn.Conv1d | nn.ConvTranspose1d):  # 3D: read as (out, in * k), not as experts
-                role = "muon_conv1d" if suits_muon(param.shape, "conv") else "adamw"
+                role = "matrix_conv1d"
             else:
-                role = "muon" if suits_muon(param.shape) else "adamw"
+                role = "matrix"
             yield name, param, role
 
 
 def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]]:
     """Default parameter groups for `Muon`, decided from each parameter's module and name.
 
-    Muon: hidden matrices (Linear, conv, 3D expert banks). AdamW: `nn.Embedding` weights and the output head (a
+    Muon: hidden matrices (Linear, conv, 3D expert banks), routed by their shape at each step under the group's
+    conv_mode (a degenerate matrix view goes to AdamW). AdamW: `nn.Embedding` weights and the output head (a
     Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose output size is a
-    vocabulary size); AdamW without weight decay: norms, biases and other 1D/scalar parameters. A parametrized
-    weight's originals are routed as the weight would be. `overrides` (any Muon option: lr, weight_decay,
-    adamw_lr_scale, ...) are set on every group; the no-decay group keeps adamw_weight_decay=0. Shared (tied)
-    parameters appear once. Groups carry `param_names`, so state dicts are keyed readably.
+    vocabulary size); AdamW without weight decay: norms, biases and other 1D/scalar parameters. A weight computed
+    from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the weight would
+    be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on every group; the
+    no-decay group keeps adamw_weight_decay=0; the routing keys are refused, since the groups are the routing. Shared
+    (tied) parameters appear once. Groups carry `param_names`, so state dicts are keyed readably.
     """
+    routing_keys = sorted(set(overrides) & {"use_muon", "use_fallback", "param_layout"})
+    if routing_keys:
+        raise ValueError(f"muon_param_groups: {', '.join(routing_keys)} cannot be overridden, since the groups it "
+                         "returns are the routing; set it on the returned groups instead")
     roles: dict[str, list[tuple[str, Tensor]]] = {}
     seen: set[int] = set()
     for name, param, role in _classify(model):
@@ -189,8 +206,8 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
         seen.add(id(param))
         roles.setdefault(role, []).append((name, param))
     role_options: dict[str, dict[str, Any]] = {
-        "muon": {"use_muon": True},
-        "muon_conv1d": {"use_muon": True, "param_layout": "conv"},
+        "matrix": {"use_muon": None, "param_layout": "auto"},
+        "matrix_conv1d": {"use_muon": None, "param_layout": "conv"},
         "adamw": {"use_muon": False},
         "adamw_no_decay": {"use_muon": False, "adamw_weight_decay": 0.0},
     }
