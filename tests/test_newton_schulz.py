@@ -446,7 +446,7 @@ def test_gram_runs_16_bit_iterations_in_float16_on_gpus_and_float32_elsewhere():
                                           (torch.bfloat16, 7), (torch.bfloat16, 3)])
 def test_gram_flop_counts_the_products_the_iteration_runs(dtype, steps):
     """The profiler's count of every matrix product's FLOPs in one Gram call (torch's products), restarts included:
-    16-bit iterations restart every three steps, float32 ones once halfway beyond five (the elementwise ops, which
+    16-bit iterations restart every three steps, float32 ones in stretches of at most five (the elementwise ops, which
     the profiler counts too, left out)."""
     X = random_matrix(40, 120)
     with torch.profiler.profile(with_flops=True) as profile:
@@ -574,3 +574,40 @@ def test_an_input_that_requires_grad_is_orthogonalized_as_its_values_are(shape):
     G = torch.randn(shape)
     out = zeropower(G.clone().requires_grad_(), 5, dtype=torch.float32)
     assert not out.requires_grad and torch.equal(out, zeropower(G, 5, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("coefficients", ["original", "quintic", "polar_express", "polar_express_safer"])
+@pytest.mark.parametrize("steps", [16, 24, 100])
+@pytest.mark.parametrize("spectrum", ["rank 1", "condition 1e8"])
+def test_many_gram_steps_stay_in_the_standard_iterations_band(spectrum, steps, coefficients, dtype):
+    """Between restarts an eigenvalue of R that rounding made slightly negative grows by about a² a step: with one
+    restart halfway, rank-deficient and ill-conditioned inputs overflowed to NaN from 16 steps in float32 (the
+    accepted ns_steps go to 100). Rounding in the (near-)null space is amplified toward the band as in the standard
+    iteration: every singular value stays within the band the schedule's odd polynomials keep [0, 1] in, rounding
+    entering at any step."""
+    if spectrum == "rank 1":
+        G = torch.randn(64, 1, dtype=torch.float64) @ torch.randn(1, 256, dtype=torch.float64)
+    else:
+        G = matrix_with_spectrum(64, 256, 1e-8, 1.0)[0]
+    gram = zeropower(G.to(dtype), steps, coefficients, dtype=dtype, algorithm="gram").double()
+    band = 1.0  # the largest singular value after each step, of those started in [0, 1] at that step or before
+    for a, b, c in resolve_coefficients(coefficients, steps):
+        x = torch.linspace(0, band, 100_001, dtype=torch.float64)
+        band = max(1.0, (a * x + b * x**3 + c * x**5).abs().max().item())
+    assert torch.isfinite(gram).all()
+    assert torch.linalg.matrix_norm(gram, 2) <= band * (1 + 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("eps", [1e-7, 1e-8, 1e-12])
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+def test_aol_keeps_a_zero_row_zero_whatever_eps(algorithm, eps, dtype):
+    """float16 took eps=1e-8 as 0: the zero row's scale rsqrt(0) was inf and 0 * inf NaN spread everywhere (a
+    dead neuron's gradient row; float16 is a T4's ns_dtype). The other rows are those of the matrix without it."""
+    G = random_matrix(8, 24)
+    G[3] = 0
+    out = zeropower(G, 4, dtype=dtype, eps=eps, algorithm=algorithm, preconditioner="aol")
+    assert torch.isfinite(out).all() and not out[3].any()
+    without = zeropower(G[torch.arange(8) != 3], 4, dtype=dtype, eps=eps, algorithm=algorithm, preconditioner="aol")
+    torch.testing.assert_close(out[torch.arange(8) != 3], without, rtol=0, atol=max(4 * torch.finfo(dtype).eps, 1e-5))

@@ -205,7 +205,10 @@ def aol_scaled(X: Tensor, gram: Tensor, eps: float, in_place: bool = False) -> t
     than the Frobenius scaling does; returns D X and its Gram matrix D (X Xᵀ) D, computed from the one given.
     `in_place`: both are the caller's own and are scaled where they lie (no fresh copy of X: on the CPU a new
     GPT-2-sized stack is faulted in page by page)."""
-    scale = gram.abs().sum(dim=-1).clamp(min=eps).rsqrt()  # clamped: a zero row stays zero
+    # Summed in float32 at least, where eps does not round to 0 (float16 took eps=1e-8 as 0: a zero row's rsqrt(0)
+    # was inf, and 0 * inf NaN spread through every product); clamped twice so that a zero row stays zero.
+    sums = gram.abs().sum(dim=-1, dtype=torch.promote_types(gram.dtype, torch.float32))
+    scale = sums.clamp(min=eps).rsqrt().clamp(max=torch.finfo(X.dtype).max)
     rows, columns = scale.unsqueeze(-1), scale.unsqueeze(-2)
     if in_place:
         return X.mul_(rows.to(X.dtype)), gram.mul_(rows).mul_(columns)
@@ -264,10 +267,13 @@ def _restart_steps(steps: int, dtype: torch.dtype) -> tuple[int, ...]:
     tensor cores round, emulated) that kept the distance to the polar factor at the float32 standard iteration's for
     3 to 10 steps on 512x1536 and 768x3072, where one restart after two of five steps drifted to 1.7x it; and it took
     a bf16 iteration's float32 part on the CPU from 1.7x-1.8x to 0.86x-0.95x the standard bf16 iteration's distance
-    from the exact result at condition number 1e6. Once halfway beyond five steps in float32 and float64."""
+    from the exact result at condition number 1e6. In float32 and float64, into stretches of at most five steps, as
+    even as they come: an eigenvalue of R that rounding has made slightly negative grows by about a² a step, and with
+    one restart halfway a rank-1 or ill-conditioned float32 input overflowed to NaN from 16 to 24 steps."""
     if dtype.itemsize <= 2:
         return tuple(range(3, steps, 3))
-    return (steps // 2,) if steps > 5 else ()
+    stretches = -(-steps // 5)
+    return tuple(stretch * steps // stretches for stretch in range(1, stretches))
 
 
 def gram_inner_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
