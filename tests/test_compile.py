@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import pytest
 import torch
@@ -303,25 +303,46 @@ def test_a_parameter_whose_state_starts_after_compiling_steps_as_eager(late: str
         torch.testing.assert_close(param, eager_param, rtol=1e-5, atol=1e-6)
 
 
+def steps_match_with_groups_set(shape: tuple[int, int], set_group: Callable[[dict[str, Any], int], None],
+                                steps: int = 3) -> "optimizer.Muon":
+    """A compiled step and an eager one over the same matrix and vector, `set_group(group, seed)` applied to each
+    one's group before step `seed`, end at the same parameters; returns the compiled step's optimizer."""
+    fresh_compile_state()
+    params = _matrix_and_vector_params(shape)
+    eager_params = [param.clone() for param in params]
+    ours, eager = (optimizer.Muon(tensors, lr=0.02, **FLOAT32_NS) for tensors in (params, eager_params))
+
+    @contextlib.contextmanager
+    def groups_set(seed: int) -> Iterator[None]:
+        for opt in (ours, eager):
+            set_group(opt.param_groups[0], seed)
+        yield
+
+    assert_steps_match(torch.compile(ours.step), eager, params, eager_params, steps=steps, around_step=groups_set)
+    return ours
+
+
 @pytest.mark.parametrize("change", [{"state_dtype": "int8"}, {"state_dtype": torch.bfloat16},
                                     {"normalization": "neuron"}], ids=["int8", "bf16", "neuron"])
 def test_a_state_changing_option_set_between_compiled_steps_steps_as_eager(change: dict) -> None:
     # The state the option converts or creates is made by `_init_group` as dynamo traces; a state check before it
     # broke the trace (int8: a KeyError in dynamo's guards on the moved moment).
-    fresh_compile_state()
-    params = _matrix_and_vector_params((8, 256))
-    eager_params = [param.clone() for param in params]
-    ours, eager = (optimizer.Muon(tensors, lr=0.02, **FLOAT32_NS) for tensors in (params, eager_params))
-
-    @contextlib.contextmanager
-    def changed_before_the_third_step(seed: int) -> Iterator[None]:
+    def changed_before_the_third_step(group: dict[str, Any], seed: int) -> None:
         if seed == 2:
-            for opt in (ours, eager):
-                opt.param_groups[0].update(change)
-        yield
+            group.update(change)
 
-    assert_steps_match(torch.compile(ours.step), eager, params, eager_params, steps=4,
-                       around_step=changed_before_the_third_step)
+    steps_match_with_groups_set((8, 256), changed_before_the_third_step, steps=4)
+
+
+def test_a_key_set_between_compiled_steps_is_read_as_resolved_and_no_group_is_written() -> None:
+    """ZeroRedundancyOptimizer sets adamw_lr before every step. A compiled step re-entered the group in place, and
+    dynamo, which traces the groups with `capturable=True` in them, wrote that value back with its keys: eager steps
+    after it stopped checking a tensor lr's value."""
+    def adamw_lr_set(group: dict[str, Any], seed: int) -> None:
+        group["adamw_lr"] = 0.004 + 0.001 * seed
+
+    group = steps_match_with_groups_set((8, 24), adamw_lr_set).param_groups[0]
+    assert group["capturable"] is False and group["adamw_lr"] == 0.006 and group["adamw_lr_scale"] == 1.0
 
 
 def test_a_float_lr_moved_by_a_scheduler_keeps_one_graph() -> None:

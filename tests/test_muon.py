@@ -7,6 +7,7 @@ import gc
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -965,6 +966,20 @@ def test_sparse_and_complex_gradients_raise_before_any_update() -> None:
     complex_param.grad = torch.randn(4, 4, dtype=torch.complex64)
     with pytest.raises(RuntimeError, match="complex"):
         Muon([complex_param]).step()
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (8,)], ids=["matrix", "vector"])
+def test_a_gradient_on_an_integer_parameter_is_refused_before_any_update(shape: tuple[int, ...]) -> None:
+    """Set by hand (autograd makes none): other parameters stepped first, then a kernel refused it part way, and its
+    integer moments stayed in a state a fresh optimizer would not load."""
+    dense, counts = torch.randn(8, 8), torch.zeros(shape, dtype=torch.int64)
+    opt = Muon([dense, counts])
+    seeded_grads([dense], 0)
+    counts.grad = torch.ones_like(counts)
+    before = dense.clone()
+    with pytest.raises(RuntimeError, match=rf"a torch.int64 parameter of shape {re.escape(str(shape))} has a gradient"):
+        opt.step()
+    assert torch.equal(dense, before) and not opt.state
 
 
 def test_forcing_a_vector_into_muon_names_its_shape() -> None:

@@ -77,6 +77,27 @@ def test_an_option_of_the_whole_optimizer_is_refused_in_a_group(key: str, value:
         Muon([dict(params=[torch.randn(4, 4)], **{key: value})])
 
 
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad", "differentiable"])
+def test_a_torch_flag_muon_does_not_implement_is_refused_in_a_group_however_it_enters(flag: str) -> None:
+    """torch.optim.AdamW honours these as group keys; ours took them and stepped without them (maximize=True went
+    downhill). Switched off, as a torch optimizer's state dict carries them, they are accepted."""
+    param = torch.randn(4, 4)
+    param.grad = torch.randn(4, 4)
+    with pytest.raises(ValueError, match=f"Invalid {flag}: True .Muon does not support {flag}"):
+        Muon([dict(params=[torch.randn(4, 4)], **{flag: True})])
+    Muon([dict(params=[torch.randn(4, 4)], **{flag: False})])
+    opt = Muon([param])
+    opt.step()
+    saved, before = opt.state_dict(), param.clone()
+    saved["param_groups"][0][flag] = True
+    with pytest.raises(ValueError, match=f"Invalid {flag}: True"):
+        opt.load_state_dict(saved)
+    opt.param_groups[0][flag] = True  # a key added between steps
+    with pytest.raises(ValueError, match=f"Invalid {flag}: True"):
+        opt.step()
+    assert torch.equal(param, before)
+
+
 def test_a_group_whose_warning_is_raised_as_an_error_is_not_added(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under warnings-as-errors (`pytest -W error`) the slow-dtype warning raises: the group stayed in the optimizer,
     and adding it again failed as a duplicate."""

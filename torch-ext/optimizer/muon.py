@@ -246,8 +246,17 @@ def _reenter_(group: dict[str, Any]) -> None:
     group.update(entered)
 
 
+# torch.optim's flags that change what a step computes, which Muon does not implement: a group may carry them (a
+# torch optimizer's state dict has them) only switched off, or a group asking for one would be stepped without it.
+_UNSUPPORTED_FLAGS = ("maximize", "amsgrad", "differentiable")
+
+
 def _validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     """Every option of the group; at step time a capturable group's tensor values are not read (a host sync)."""
+    for flag in _UNSUPPORTED_FLAGS:
+        if group.get(flag, False) is not False:
+            raise ValueError(f"Invalid {flag}: {group[flag]!r} (Muon does not support {flag}; expected False or "
+                             "no such key in the group)")
     check_bool("capturable", group["capturable"])
     check_bool("verbose", group["verbose"])
     read_tensors = not (at_step and group["capturable"])
@@ -841,16 +850,16 @@ class Muon(Optimizer):
                 self._check_spread_params(group)
         return kept, held
 
-    def _checked_step_inputs(self, option_keys: tuple[str, ...]
+    def _checked_step_inputs(self, groups: list[dict[str, Any]], option_keys: tuple[str, ...]
                              ) -> list[tuple[_Kept | None, tuple[list[MuonTensors], list[AdamWTensors]] | None]]:
         """`_check_step_inputs` of every group. Outside torch.compile, a refusal puts back the groups whose keys
         `_checked_options` re-entered, so that a refused step leaves every group as it was, a later group's refusal
-        included."""
+        included (a compiled step re-enters none: `_groups_for_step`)."""
         if torch.compiler.is_compiling():
-            return [self._check_step_inputs(group, option_keys) for group in self.param_groups]
+            return [self._check_step_inputs(group, option_keys) for group in groups]
         self._groups_before_reentry: list[tuple[dict[str, Any], dict[str, Any]]] = []
         try:
-            return [self._check_step_inputs(group, option_keys) for group in self.param_groups]
+            return [self._check_step_inputs(group, option_keys) for group in groups]
         except Exception:
             for group, before in self._groups_before_reentry:
                 group.clear()
@@ -859,17 +868,21 @@ class Muon(Optimizer):
 
     @staticmethod
     def _check_gradients(group: dict[str, Any]) -> None:
-        """Gradients Muon can take: dense, real, of their parameter's shape and dtype (as autograd makes them; one put
-        in through `.data` could be neither, and would be refused only by an update part way through the step)."""
+        """Gradients Muon can take: dense, real, of their floating-point parameter's shape and dtype (as autograd
+        makes them; one put in through `.data` or set by hand could be neither, and would be refused only by an update
+        part way through the step)."""
         for param in group["params"]:
             grad = param.grad
-            if grad is None or not (grad.is_sparse or grad.is_complex() or param.is_complex()
+            if grad is None or not (grad.is_sparse or grad.is_complex() or not param.is_floating_point()
                                     or grad.dtype != param.dtype or grad.shape != param.shape):
                 continue
             if grad.is_sparse:
                 raise RuntimeError(f"Muon does not support sparse gradients (parameter of shape {tuple(param.shape)})")
             if grad.is_complex() or param.is_complex():
                 raise RuntimeError(f"Muon does not support complex parameters (shape {tuple(param.shape)})")
+            if not param.is_floating_point():
+                raise RuntimeError(f"Invalid parameter: a {param.dtype} parameter of shape {tuple(param.shape)} has a "
+                                   "gradient (expected a floating-point parameter)")
             raise RuntimeError(f"Invalid gradient: a {grad.dtype} gradient of shape {tuple(grad.shape)} for the "
                                f"{param.dtype} parameter of shape {tuple(param.shape)} (expected its shape and dtype)")
 
@@ -902,13 +915,19 @@ class Muon(Optimizer):
             if not is_lazy(param):  # checked at the step that finds it materialized
                 check_forced_muon(name, param.shape)
 
+    def _groups_for_step(self) -> list[dict[str, Any]]:
+        """The groups a step reads: the optimizer's own, whose keys `_checked_options` re-enters in place where they
+        need it; a compiled step reads re-entered copies instead and writes no group (dynamo traces the groups with
+        its own `capturable=True` in them, and writing any key of one wrote that value back into it too)."""
+        if not torch.compiler.is_compiling():
+            return self.param_groups
+        return [_reentered(group, group["lr"]) if _needs_reentry(group) else group for group in self.param_groups]
+
     def _checked_options(self, group: dict[str, Any], option_keys: tuple[str, ...]) -> _Kept | None:
         """The group's options checked (`_validate_group`), unless they are the very objects the last step checked;
         what steps keep from them, or None where an option may change in place (a list, a tensor lr) or a
         torch.compile trace runs (whose guards watch the options)."""
         if torch.compiler.is_compiling():
-            if _needs_reentry(group):
-                _reenter_(group)
             _validate_group(group, at_step=True)
             return None
         options = operator.itemgetter(*option_keys)(group)  # a third of a generator's time: once per group a step
@@ -1164,23 +1183,23 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         option_keys = tuple(self.defaults)
-        kept, held = zip(*self._checked_step_inputs(option_keys))
+        groups = self._groups_for_step()
+        kept, held = zip(*self._checked_step_inputs(groups, option_keys))
         # Not while tracing: dynamo in torch 2.11 cannot set an attribute of the optimizer (2.13's can), nor trace id()
         # of a dict. Kept entries stay valid across compiled steps: each holds only while its options are the same.
         if not torch.compiler.is_compiling():
             self._kept = {id(group): each for group, each in zip(self.param_groups, kept) if each is not None}
-        state_tensors: list[list[Tensor | None]] = [[] for _ in self.param_groups]
-        for group, tensors, items in zip(self.param_groups, state_tensors, held):
+        state_tensors: list[list[Tensor | None]] = [[] for _ in groups]
+        for group, tensors, items in zip(groups, state_tensors, held):
             if items is None:
                 self._init_group(group, tensors)
         hold = not torch.compiler.is_compiling()
         gathered = [self._gather(group, tensors, hold) if items is None else items
-                    for group, tensors, items in zip(self.param_groups, state_tensors, held)]
+                    for group, tensors, items in zip(groups, state_tensors, held)]
         # Offloaded updates run once both parts have issued theirs, so that all their state streams in one schedule.
         schedule = self._staged_updates if self.offload is not None else None
-        self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(self.param_groups, gathered)], schedule)
-        adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(self.param_groups, gathered)
-                        if adamw_items]
+        self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(groups, gathered)], schedule)
+        adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(groups, gathered) if adamw_items]
         if adamw_groups:
             self._adamw_steps(adamw_groups, schedule)
         if schedule is not None:
