@@ -334,15 +334,27 @@ def test_a_state_changing_option_set_between_compiled_steps_steps_as_eager(chang
     steps_match_with_groups_set((8, 256), changed_before_the_third_step, steps=4)
 
 
-def test_a_key_set_between_compiled_steps_is_read_as_resolved_and_no_group_is_written() -> None:
-    """ZeroRedundancyOptimizer sets adamw_lr before every step. A compiled step re-entered the group in place, and
-    dynamo, which traces the groups with `capturable=True` in them, wrote that value back with its keys: eager steps
-    after it stopped checking a tensor lr's value."""
+def test_a_key_set_once_between_compiled_steps_stays_resolved_when_lr_moves() -> None:
+    """Resolved against each step's lr (re-entered copies, the group never written), adamw_lr set once pinned
+    AdamW's lr when lr was cut by hand later, where the eager step's kept scale follows it."""
+    def set_once_then_lr_cut(group: dict[str, Any], seed: int) -> None:
+        if seed == 0:
+            group["adamw_lr"] = 0.01
+        if seed == 2:
+            group["lr"] /= 10
+
+    steps_match_with_groups_set((8, 24), set_once_then_lr_cut, steps=4)
+
+
+def test_a_key_set_between_compiled_steps_is_resolved_as_the_eager_step_resolves_it() -> None:
+    """ZeroRedundancyOptimizer sets adamw_lr before every step. Traced, the group's re-entry made dynamo, which traces
+    the groups with `capturable=True` in them, write that value back with its keys (eager steps after it stopped
+    checking a tensor lr's value); reading re-entered copies instead resolved adamw_lr against each step's lr."""
     def adamw_lr_set(group: dict[str, Any], seed: int) -> None:
         group["adamw_lr"] = 0.004 + 0.001 * seed
 
     group = steps_match_with_groups_set((8, 24), adamw_lr_set).param_groups[0]
-    assert group["capturable"] is False and group["adamw_lr"] == 0.006 and group["adamw_lr_scale"] == 1.0
+    assert group["capturable"] is False and "adamw_lr" not in group and group["adamw_lr_scale"] == 0.006 / 0.02
 
 
 def test_a_float_lr_moved_by_a_scheduler_keeps_one_graph() -> None:

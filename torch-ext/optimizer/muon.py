@@ -850,16 +850,18 @@ class Muon(Optimizer):
                 self._check_spread_params(group)
         return kept, held
 
-    def _checked_step_inputs(self, groups: list[dict[str, Any]], option_keys: tuple[str, ...]
+    def _checked_step_inputs(self, option_keys: tuple[str, ...]
                              ) -> list[tuple[_Kept | None, tuple[list[MuonTensors], list[AdamWTensors]] | None]]:
         """`_check_step_inputs` of every group. Outside torch.compile, a refusal puts back the groups whose keys
         `_checked_options` re-entered, so that a refused step leaves every group as it was, a later group's refusal
-        included (a compiled step re-enters none: `_groups_for_step`)."""
+        included (a compiled step re-enters them before it traces them: `_reenter_groups_`)."""
         if torch.compiler.is_compiling():
-            return [self._check_step_inputs(group, option_keys) for group in groups]
+            if any(map(_needs_reentry, self.param_groups)):
+                self._reenter_groups_()
+            return [self._check_step_inputs(group, option_keys) for group in self.param_groups]
         self._groups_before_reentry: list[tuple[dict[str, Any], dict[str, Any]]] = []
         try:
-            return [self._check_step_inputs(group, option_keys) for group in groups]
+            return [self._check_step_inputs(group, option_keys) for group in self.param_groups]
         except Exception:
             for group, before in self._groups_before_reentry:
                 group.clear()
@@ -915,13 +917,22 @@ class Muon(Optimizer):
             if not is_lazy(param):  # checked at the step that finds it materialized
                 check_forced_muon(name, param.shape)
 
-    def _groups_for_step(self) -> list[dict[str, Any]]:
-        """The groups a step reads: the optimizer's own, whose keys `_checked_options` re-enters in place where they
-        need it; a compiled step reads re-entered copies instead and writes no group (dynamo traces the groups with
-        its own `capturable=True` in them, and writing any key of one wrote that value back into it too)."""
-        if not torch.compiler.is_compiling():
-            return self.param_groups
-        return [_reentered(group, group["lr"]) if _needs_reentry(group) else group for group in self.param_groups]
+    @torch.compiler.disable
+    def _reenter_groups_(self) -> None:
+        """A compiled step's re-entry of the groups that need it, run eagerly (a graph break, so a `fullgraph=True`
+        step refuses such a group) and put back if any group refuses its options, as an eager step's: traced, the
+        write into a group made dynamo write back every key it traced, its own `capturable=True` included."""
+        before = [(group, dict(group)) for group in self.param_groups if _needs_reentry(group)]
+        try:
+            for group, _ in before:
+                _reenter_(group)
+            for group in self.param_groups:
+                _validate_group(group, at_step=True)
+        except Exception:
+            for group, kept in before:
+                group.clear()
+                group.update(kept)
+            raise
 
     def _checked_options(self, group: dict[str, Any], option_keys: tuple[str, ...]) -> _Kept | None:
         """The group's options checked (`_validate_group`), unless they are the very objects the last step checked;
@@ -1183,23 +1194,23 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         option_keys = tuple(self.defaults)
-        groups = self._groups_for_step()
-        kept, held = zip(*self._checked_step_inputs(groups, option_keys))
+        kept, held = zip(*self._checked_step_inputs(option_keys))
         # Not while tracing: dynamo in torch 2.11 cannot set an attribute of the optimizer (2.13's can), nor trace id()
         # of a dict. Kept entries stay valid across compiled steps: each holds only while its options are the same.
         if not torch.compiler.is_compiling():
             self._kept = {id(group): each for group, each in zip(self.param_groups, kept) if each is not None}
-        state_tensors: list[list[Tensor | None]] = [[] for _ in groups]
-        for group, tensors, items in zip(groups, state_tensors, held):
+        state_tensors: list[list[Tensor | None]] = [[] for _ in self.param_groups]
+        for group, tensors, items in zip(self.param_groups, state_tensors, held):
             if items is None:
                 self._init_group(group, tensors)
         hold = not torch.compiler.is_compiling()
         gathered = [self._gather(group, tensors, hold) if items is None else items
-                    for group, tensors, items in zip(groups, state_tensors, held)]
+                    for group, tensors, items in zip(self.param_groups, state_tensors, held)]
         # Offloaded updates run once both parts have issued theirs, so that all their state streams in one schedule.
         schedule = self._staged_updates if self.offload is not None else None
-        self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(groups, gathered)], schedule)
-        adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(groups, gathered) if adamw_items]
+        self._muon_steps([(group, muon_items) for group, (muon_items, _) in zip(self.param_groups, gathered)], schedule)
+        adamw_groups = [(group, adamw_items) for group, (_, adamw_items) in zip(self.param_groups, gathered)
+                        if adamw_items]
         if adamw_groups:
             self._adamw_steps(adamw_groups, schedule)
         if schedule is not None:
