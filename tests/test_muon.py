@@ -1327,3 +1327,20 @@ def test_a_step_inside_an_autocast_region_is_the_step_outside_it() -> None:
         return params
 
     assert all(torch.equal(p, q) for p, q in zip(trained(True), trained(False)))
+
+
+def test_a_closure_runs_under_the_callers_autocast_region() -> None:
+    """Only the step's own products leave autocast: the closure (the user's forward and backward) ran in float32
+    inside a bf16 region, where torch's optimizers run it in bf16."""
+    param = torch.nn.Parameter(torch.randn(8, 8))
+    seen = []
+
+    def closure() -> torch.Tensor:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        loss = (param @ param).sum()
+        loss.backward()
+        return loss
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = Muon([param]).step(closure)
+    assert seen == [True] and loss.dtype == torch.bfloat16

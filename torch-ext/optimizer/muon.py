@@ -1171,7 +1171,6 @@ class Muon(Optimizer):
             staged_adamw_update(device_items, found_inf, schedule=schedule, **device_settings)
 
     @torch.no_grad()
-    @without_autocast
     def step(self, closure: Callable[[], float] | None = None,
              qk_logits: Mapping[Hashable, Tensor] | None = None) -> float | None:  # type: ignore[override]
         """One optimization step. `closure` re-evaluates the model and returns the loss.
@@ -1190,9 +1189,15 @@ class Muon(Optimizer):
         check_qk_logits(self.qk_clip, qk_logits)  # before any update: bad input changes nothing
         threshold = check_threshold(self.qk_clip_threshold) if qk_logits else None  # an attribute, settable
         loss = None
-        if closure is not None:
+        if closure is not None:  # under the caller's autocast, as torch's optimizers run it
             with torch.enable_grad():
                 loss = closure()
+        self._update(qk_logits, threshold)
+        return loss
+
+    @without_autocast
+    def _update(self, qk_logits: Mapping[Hashable, Tensor], threshold: float | None) -> None:
+        """The step's update of every group, and the QK-clip after it."""
         option_keys = tuple(self.defaults)
         kept, held = zip(*self._checked_step_inputs(option_keys))
         # Not while tracing: dynamo in torch 2.11 cannot set an attribute of the optimizer (2.13's can), nor trace id()
@@ -1221,7 +1226,6 @@ class Muon(Optimizer):
             self._held = {id(group): self._held[id(group)] for group in self.param_groups if id(group) in self._held}
             for each in self._held.values():
                 each.release_gradients()
-        return loss
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
