@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -1344,3 +1345,20 @@ def test_a_closure_runs_under_the_callers_autocast_region() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = Muon([param]).step(closure)
     assert seen == [True] and loss.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("options", [{}, {"normalization": "neuron"}, {"state_dtype": "int8"}],
+                         ids=["plain", "neuron", "int8"])
+def test_a_default_device_context_does_not_move_the_steps_own_tensors(options: dict) -> None:
+    """`with torch.device(...)` / `torch.set_default_device` put the step's host tables and counters on that device
+    (meta here): it failed after the momentum had moved, where torch's optimizers step as outside it."""
+    def trained(default_device: str | None) -> list[torch.Tensor]:
+        params = [torch.randn(16, 24, generator=torch.Generator().manual_seed(i)) for i in range(3)] + [torch.ones(24)]
+        opt = Muon([dict(params=params[:2], lr=0.02), dict(params=params[2:], lr=0.01)], **options)
+        for step in range(2):
+            seeded_grads(params, step)
+            with contextlib.nullcontext() if default_device is None else torch.device(default_device):
+                opt.step()
+        return params
+
+    assert all(torch.equal(p, q) for p, q in zip(trained("meta"), trained(None)))

@@ -398,7 +398,7 @@ def _on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device
     (torch syncs a copy from pageable memory); in a compiled step it is a constant of the graph."""
     if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=dtype, device=device)
-    vector = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    vector = torch.tensor(values, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
     return vector.to(device, non_blocking=True)
 
 
@@ -739,7 +739,7 @@ def _fused_adamw_one_(item: AdamWTensors, found_inf: Tensor | None, lr: Learning
         native.adamw_rounded_(param, item.grad.reshape(param.shape), item.exp_avg, item.exp_avg_scales,
                               item.exp_avg_sq, item.exp_avg_sq_scales, item.rounding_count, item.rounding_positions,
                               item.step, **settings)
-        advance_counts_([item.rounding_count], torch.ones(1))
+        advance_counts_([item.rounding_count], torch.ones(1, device=item.rounding_count.device))
     else:
         taken = torch.zeros((), dtype=torch.float32, device=param.device) if found_inf is None else found_inf
         _fused_adamw_rounded_(item, param, taken, **settings)

@@ -217,7 +217,7 @@ def _normalized_in_place(op_name: str, updates: Sequence[Tensor], moments: Seque
                          corrections: Tensor, one_minus_beta: float, eps: float) -> Tensor:
     """Runs a compiled normalization op; returns the sums of squares it wrote."""
     compiled = _required_op(op_name, updates[0].device.type if updates else None)
-    squares = torch.empty(len(updates), dtype=torch.float64)
+    squares = torch.empty(len(updates), dtype=torch.float64, device="cpu")
     compiled(list(updates), list(moments), decays.to("cpu", torch.float64), corrections.to("cpu", torch.float64),
              one_minus_beta, eps, squares)
     return squares
@@ -352,12 +352,12 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
     rest = [i for i, taken in enumerate(by_op) if not taken]
     if served:
         if decay is None:
-            served_decay = torch.ones(len(served), dtype=torch.float64)
+            served_decay = torch.ones(len(served), dtype=torch.float64, device="cpu")
         else:  # no index op where every parameter is served, as on the CPU they all are
             served_decay = (decay if len(served) == len(params) else decay[served]).to(torch.float64)
         stepped = [params[i].contiguous() for i in served]
         compiled(stepped, [_flat_or_transposed(updates[i]) for i in served], served_decay,
-                 torch.tensor([float(step_sizes[i]) for i in served], dtype=torch.float64))
+                 torch.tensor([float(step_sizes[i]) for i in served], dtype=torch.float64, device="cpu"))
         for i, copy in zip(served, stepped):
             if copy is not params[i]:
                 params[i].copy_(copy)

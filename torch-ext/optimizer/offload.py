@@ -267,7 +267,7 @@ def repack_homes(homes: Sequence[Tensor]) -> None:
     gradient this step) is packed anew, its old allocation freed once no state tensor is left in it."""
     if _is_packed(homes):
         return
-    memory = torch.empty(_layout(homes)[1], dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    memory = torch.empty(_layout(homes)[1], dtype=torch.uint8, device="cpu", pin_memory=torch.cuda.is_available())
     for home, packed in zip(homes, _cut(homes, memory)):
         home.set_(packed.copy_(home).untyped_storage(), packed.storage_offset(), packed.shape, packed.stride())
 

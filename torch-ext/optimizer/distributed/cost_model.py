@@ -93,8 +93,7 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
     # Per exchange, the bytes each rank's link carries (the larger direction): the first is a chunk's gather, the
     # last its scatter.
     link_bytes: list[list[int]] = []
-    comm_size = torch.empty((), dtype=comm_dtype).element_size()
-    gram_size = torch.empty((), dtype=ns_dtype).element_size()
+    comm_size, gram_size = comm_dtype.itemsize, ns_dtype.itemsize
     for chunk in chunks:
         chunk_layouts = [layouts[spread[i]] for i in chunk]
         chunk_shares = [shares[i] for i in chunk]

@@ -31,7 +31,7 @@ def found_inf_flags(grads: Sequence[Tensor]) -> Tensor:
         askers.setdefault(asker, []).append(i)
     if list(askers) == [None]:
         return nonfinite_flags(grads)
-    flags: list[Tensor] = [torch.empty(0)] * len(grads)
+    flags: list[Tensor] = [torch.empty(0, device="cpu")] * len(grads)
     for asker, indices in askers.items():
         tensors = [local_tensor(grads[i]) for i in indices]
         finite = finite_flags(tensors) if asker is None else finite_everywhere(tensors, asker)

@@ -220,5 +220,5 @@ def lower_tile_grid(m: int, batch: int) -> Callable[[dict], tuple[int, int]]:
 def device_values(values: tuple[int | float, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """`values` as a tensor on the device, sent in one copy from pinned memory, so without waiting for the device,
     and kept for the next steps that ask for the same values (a launch's address table, while the addresses stay)."""
-    table = torch.tensor(values, dtype=dtype)
+    table = torch.tensor(values, dtype=dtype, device="cpu")
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table

@@ -439,8 +439,8 @@ def _tables(rows: tuple[int, ...], columns: int, device: torch.device) -> tuple[
 def _block_tables(numels: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """Each program's tensor and its first element in that tensor, for tensors of these sizes (GPT-2 small's 97 AdamW
     tensors make 18,967 programs: 0.25 ms of host work and 300 KB to copy each step, were they rebuilt)."""
-    blocks = (torch.tensor(numels, dtype=torch.int64) + BLOCK - 1) // BLOCK
-    block_tensor = torch.repeat_interleave(torch.arange(len(numels)), blocks)
+    blocks = (torch.tensor(numels, dtype=torch.int64, device="cpu") + BLOCK - 1) // BLOCK
+    block_tensor = torch.repeat_interleave(torch.arange(len(numels), device="cpu"), blocks)
     first_block = torch.cumsum(blocks, 0) - blocks
-    block_start = (torch.arange(block_tensor.numel()) - first_block[block_tensor]) * BLOCK
+    block_start = (torch.arange(block_tensor.numel(), device="cpu") - first_block[block_tensor]) * BLOCK
     return block_tensor.to(device), block_start.to(device)

@@ -101,7 +101,7 @@ def launch_apply_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
 def _tile_tables(rows: tuple[int, ...], cols: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """Each program's matrix and its tile's place in that matrix (row-major over the tiles), for matrices of these
     sizes, kept on the device for the next steps."""
-    tiles = torch.tensor([-(-r // TILE) * -(-c // TILE) for r, c in zip(rows, cols)], dtype=torch.int64)
-    tile_matrix = torch.repeat_interleave(torch.arange(len(rows)), tiles)
-    tile_index = torch.arange(tile_matrix.numel()) - (torch.cumsum(tiles, 0) - tiles)[tile_matrix]
+    tiles = torch.tensor([-(-r // TILE) * -(-c // TILE) for r, c in zip(rows, cols)], dtype=torch.int64, device="cpu")
+    tile_matrix = torch.repeat_interleave(torch.arange(len(rows), device="cpu"), tiles)
+    tile_index = torch.arange(tile_matrix.numel(), device="cpu") - (torch.cumsum(tiles, 0) - tiles)[tile_matrix]
     return tile_matrix.to(device), tile_index.to(device)
