@@ -1362,3 +1362,21 @@ def test_a_default_device_context_does_not_move_the_steps_own_tensors(options: d
         return params
 
     assert all(torch.equal(p, q) for p, q in zip(trained("meta"), trained(None)))
+
+
+def test_a_checkpoint_loaded_under_inference_mode_trains_on() -> None:
+    """A resume helper under `@torch.inference_mode()`: the state made there were inference tensors, and the next
+    step failed after the momentum had moved; torch's optimizers train on."""
+    params = [torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))]
+    opt = Muon(params, state_dtype=torch.bfloat16)
+    seeded_grads(params, 0)
+    opt.step()
+    copies = [torch.nn.Parameter(param.detach().clone()) for param in params]
+    resumed = Muon(copies, state_dtype=torch.bfloat16)
+    with torch.inference_mode():
+        resumed.load_state_dict(opt.state_dict())
+    seeded_grads(params, 1)
+    seeded_grads(copies, 1)
+    opt.step()
+    resumed.step()
+    assert all(torch.equal(copy, param) for copy, param in zip(copies, params))

@@ -554,3 +554,36 @@ def test_an_unreadable_value_is_refused_naming_its_option(options: dict[str, Any
     # numpy's "truth value of an array is ambiguous", an OverflowError, and ns_steps named as ns_coefficients.
     with pytest.raises(ValueError, match=message):
         Muon([torch.randn(4, 4)], **options)
+
+
+@pytest.mark.parametrize("sizes", [(1,), (1, 2), (2, 1)], ids=["fewer groups", "more groups", "other sizes"])
+def test_a_state_dict_of_other_groups_is_refused_with_torchs_message(sizes: tuple[int, ...]) -> None:
+    """Paired with these groups position by position, it was refused for a state shape that did not fit instead."""
+    def built(group_sizes: tuple[int, ...]) -> Muon:
+        params = [torch.randn(4 + i, 4) for i in range(sum(group_sizes))]
+        groups = [params[sum(group_sizes[:g]):sum(group_sizes[:g + 1])] for g in range(len(group_sizes))]
+        opt = Muon([dict(params=group) for group in groups])
+        for param in params:
+            param.grad = torch.ones_like(param)
+        opt.step()
+        return opt
+
+    saved = built(sizes).state_dict()
+    match = "different number of parameter groups" if len(sizes) != 2 else "doesn't match the size"
+    with pytest.raises(ValueError, match=match):
+        built((2, 1) if sizes == (1, 2) else (1, 2)).load_state_dict(saved)
+
+
+def test_a_lazy_parameter_loads_no_state_and_is_refused_state_until_materialized() -> None:
+    """torch.optim.AdamW loads an empty state into lazy parameters; reading the shape of one raised."""
+    def lazy_optimizer() -> tuple[torch.nn.Module, Muon]:
+        model = torch.nn.Sequential(torch.nn.LazyLinear(8))
+        return model, Muon(model.parameters())
+
+    _, opt = lazy_optimizer()
+    lazy_optimizer()[1].load_state_dict(opt.state_dict())
+    model, opt = lazy_optimizer()
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="parameter 0 has state, and the parameter it loads into is not materialized"):
+        lazy_optimizer()[1].load_state_dict(opt.state_dict())

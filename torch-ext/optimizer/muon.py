@@ -352,6 +352,16 @@ def _keys_with_codes(keys: tuple[str | None, ...]) -> tuple[str | None, ...]:
     return tuple(codes_key(key) if key in MOMENT_KEYS else key for key in keys)
 
 
+def _check_group_sizes(saved_groups: list[dict[str, Any]], param_groups: list[dict[str, Any]]) -> None:
+    """torch's checks of the groups' number and sizes, with torch's messages, before the checks that pair the saved
+    groups and parameters with these (their errors would name a state mismatch instead)."""
+    if len(saved_groups) != len(param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(saved["params"]) != len(group["params"]) for saved, group in zip(saved_groups, param_groups)):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's "
+                         "group")
+
+
 def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
     saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
     params = chain.from_iterable(group["params"] for group in param_groups)
@@ -366,7 +376,10 @@ def _check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, 
         if any(key in saved for key in CODES_KEYS) and "rounding_count" not in saved:
             # 8-bit codes are always rounded at random: without their count the random bits would start over.
             raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has 8-bit codes without 'rounding_count'")
-        misshapen = _misshapen_state(saved, param.shape)
+        if saved and is_lazy(param):
+            raise ValueError(f"Invalid state_dict: parameter {saved_id!r} has state, and the parameter it loads into "
+                             "is not materialized yet (a lazy module's): run one forward pass before loading")
+        misshapen = None if not saved else _misshapen_state(saved, param.shape)
         if misshapen is not None:
             key, found, expected = misshapen
             raise ValueError(f"Invalid state_dict: state {key!r} of parameter {saved_id!r} is {found}, expected a "
@@ -1289,6 +1302,7 @@ class Muon(Optimizer):
             adapted = hook(self, state_dict)
             if adapted is not None:
                 state_dict = adapted
+        _check_group_sizes(state_dict["param_groups"], self.param_groups)
         # A checkpoint from before an option existed lacks its key: the option's default applies, as torch
         # optimizers' __setstate__ does. A saved group enters as a group given those keys between steps would at the
         # next step. Every loaded group is checked before anything is loaded.
@@ -1303,11 +1317,18 @@ class Muon(Optimizer):
             _validate_group(saved)
             self._check_forced_muon({**saved, "params": group["params"]})
         _check_saved_state(state_dict, self.param_groups)
-        # The post-hooks run last, as in torch, on the state as loaded here (torch's pass casts what the loop below
-        # restores; a hook's change made before it was overwritten).
+        # The post-hooks run last, as in torch, on the state as loaded here (torch's pass casts what
+        # `_restore_state_dtypes` restores; a hook's change made before it was overwritten). Out of inference mode:
+        # state made under it would be inference tensors, which no later step could update.
         with self._hooks_held("_optimizer_load_state_dict_pre_hooks",
-                              "_optimizer_load_state_dict_post_hooks") as (_, post_hooks):
+                              "_optimizer_load_state_dict_post_hooks") as (_, post_hooks), torch.inference_mode(False):
             super().load_state_dict(state_dict)
+            self._restore_state_dtypes(state_dict)
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _restore_state_dtypes(self, state_dict: dict[str, Any]) -> None:
+        """The loaded state in the dtypes it keeps, where torch's load cast it to the parameter's."""
         saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         for saved_id, param in zip(saved_ids, params):
@@ -1320,5 +1341,3 @@ class Muon(Optimizer):
                 if key in saved:
                     self.state[param][key] = saved[key].to(dtype=dtype, device=param.device).clone(
                         memory_format=torch.contiguous_format)
-        for hook in post_hooks.values():
-            hook(self)
