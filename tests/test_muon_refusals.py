@@ -95,6 +95,12 @@ def test_a_torch_flag_muon_does_not_implement_is_refused_in_a_group_however_it_e
     opt.param_groups[0][flag] = True  # a key added between steps
     with pytest.raises(ValueError, match=f"Invalid {flag}: True"):
         opt.step()
+    opt.param_groups[0][flag] = False
+    opt.step()  # and switched on again in the group that holds it
+    before = param.clone()
+    opt.param_groups[0][flag] = True
+    with pytest.raises(ValueError, match=f"Invalid {flag}: True"):
+        opt.step()
     assert torch.equal(param, before)
 
 

@@ -543,7 +543,10 @@ class _Kept:
     muon_settings: dict[torch.device, dict[str, Any]] = field(default_factory=dict)
 
     def holds(self, group: dict[str, Any], options: tuple) -> bool:
-        return len(group) == self.size and all(map(operator.is_, options, self.options))
+        """Whether the group still has these options and no torch flag Muon refuses switched on (a group loaded
+        from a torch optimizer's state dict holds them switched off: not an option, so not in `options`)."""
+        return (len(group) == self.size and all(map(operator.is_, options, self.options))
+                and not any(map(group.get, _UNSUPPORTED_FLAGS)))
 
 
 # The options that decide how a group's parameters are routed and what state they keep (`_view`, `_state_keys`,
