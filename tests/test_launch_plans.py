@@ -66,7 +66,8 @@ def test_a_plan_is_rebuilt_when_a_tensor_it_addresses_changes(change: str) -> No
         items[1] = replace(item, exp_avg=item.exp_avg.clone())
     elif change == "parameter data replaced":
         item.param.data = item.param.data.clone()
-    elif change == "moment data replaced":  # the same item and tensor object, new storage (state moved and back)
+    elif change == "moment data replaced":  # the same tensor object, new storage (state moved to the host and back):
+        items[1] = replace(item)  # in a new item, as the optimizer makes one when a state tensor moves
         item.exp_avg.data = item.exp_avg.data.clone()
     else:
         items[1] = replace(item, rounding_positions=torch.arange(16))

@@ -593,3 +593,27 @@ def test_a_lazy_parameter_loads_no_state_and_is_refused_state_until_materialized
     opt.step()
     with pytest.raises(ValueError, match="parameter 0 has state, and the parameter it loads into is not materialized"):
         lazy_optimizer()[1].load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_state_given_new_storage_between_steps_is_checked_as_new_state(change: str) -> None:
+    """`.data` keeps a state tensor's identity: the held items went on with it unchecked, and a kernel refused a
+    moment of another shape, or of another dtype, after earlier parameters had stepped. Now another shape is refused
+    before any update, and another dtype converted as a loaded or copied state's is."""
+    params = [torch.randn(8, 8), torch.randn(8), torch.randn(6, 8), torch.randn(8)]
+    opt = Muon(params)
+    seeded_grads(params, 0)
+    opt.step()
+    moment = opt.state[params[3]]["exp_avg"]
+    moment.data = moment.data[:4].clone() if change == "shape" else moment.data.bfloat16()
+    seeded_grads(params, 1)
+    if change == "shape":
+        before = [param.clone() for param in params]
+        with pytest.raises(RuntimeError, match=r"Invalid state: 'exp_avg' of parameter #3 is \(4,\)"):
+            opt.step()
+        assert all(torch.equal(param, old) for param, old in zip(params, before))
+    else:
+        copied = copy.deepcopy(opt)
+        opt.step()
+        copied.step()
+        assert all(torch.equal(param, theirs) for param, theirs in zip(params, copied.param_groups[0]["params"]))

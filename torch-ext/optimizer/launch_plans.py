@@ -6,10 +6,11 @@ tensors: the same parameter and state tensor objects, each still at the address 
 state tensor's `.data` may be replaced: moving optimizer state to the host and back does it), and gradients at the
 addresses the tables hold, still contiguous (a gradient is a new tensor at each step, but the caching allocator
 usually hands its block out again; the gradient setter keeps its shape and dtype those of the parameter). An item
-passed again, the very object the plan was built from, is taken to hold the same tensor objects but its gradient
-(their identities are not checked again, ~1 µs per item; their addresses are): a caller that replaces a state
-tensor makes a new item, as the optimizer's held items are made anew whenever a parameter's state changes
-(`muon._HeldItems`).
+passed again, the very object the plan was built from, is taken to hold the same tensors where they were but its
+gradient, whose check it then skips (~1 µs per item): a caller that replaces a state tensor or gives one new storage
+makes a new item, as the optimizer's held items are made anew whenever a parameter's state changes or moves
+(`muon._HeldItems`; a state tensor given new storage under the same object, as moving state to the host and back
+does, went on being written where it had been).
 
 The plans are kept by the parameters' addresses, a few at a time (one per call site: the AdamW tensors of each
 device and param group, each offload group), and hold weak references only: a plan never keeps a tensor alive. By
@@ -56,8 +57,9 @@ class LaunchPlan:
                 for tensor, ref in zip(addressed(item), refs):
                     if (None if ref is None else ref()) is not tensor:
                         return False
-        return (tuple(_addresses(items, addressed, self.present)) == self.held_addresses
-                and tuple(item.grad.data_ptr() for item in items) == self.grad_addresses
+            if tuple(_addresses(items, addressed, self.present)) != self.held_addresses:
+                return False
+        return (tuple(item.grad.data_ptr() for item in items) == self.grad_addresses
                 and all(item.grad.is_contiguous() for item in items))
 
 
@@ -96,6 +98,5 @@ def _tensors(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | Non
 
 def _addresses(items: Sequence[Any], addressed: Callable[[Any], tuple[Tensor | None, ...]],
                present: tuple[bool, ...]) -> Iterator[int]:
-    """The addresses of the items' addressed tensors that `present` marks (iterated in C: a plan's check asks them
-    of every item every step)."""
+    """The addresses of the items' addressed tensors that `present` marks (iterated in C)."""
     return map(Tensor.data_ptr, compress(_tensors(items, addressed), present))

@@ -563,8 +563,9 @@ class _HeldItems:
     parameter's state holds the same tensors under the same keys, a step takes these items with the new gradients
     instead of checking, preparing and gathering each parameter's state again. GPT-2 small's 97 AdamW tensors at
     1/96 width: the check, preparation and gathering took ~320 µs of the AdamW part's ~600 µs of host time, this
-    check ~70 (2-core AMD EPYC). A state tensor replaced, a parameter's state dropped or loaded, a layout option
-    changed: the step gathers afresh."""
+    check ~70 (2-core AMD EPYC). A state tensor replaced or given new storage (`.data`, as moving state to the host
+    and back does, maybe in another dtype), a parameter's state dropped or loaded, a layout option changed: the step
+    gathers afresh, and checks the state (a kernel refused a moment of another shape or dtype part way through)."""
 
     params: list[Tensor]  # the group's own list
     options: tuple  # the group's _LAYOUT_OPTIONS
@@ -575,6 +576,15 @@ class _HeldItems:
                         tuple[Tensor | None, ...], MuonTensors | AdamWTensors | None]]
     muon_items: list[MuonTensors]
     adamw_items: list[AdamWTensors]
+    state_tensors: list[Tensor] = field(init=False, default_factory=list)  # the plain state tensors of the values
+    addresses: tuple[int, ...] | None = field(init=False, default=None)  # where they lay after the step
+
+    def note_addresses(self) -> None:
+        """Where the state tensors lie at the end of the step that gathered the items (offload packs them into its
+        pinned memory during that step)."""
+        self.state_tensors = [value for *_, values, _ in self.entries for value in values
+                              if value is not None and not is_dtensor(value)]
+        self.addresses = tuple(map(Tensor.data_ptr, self.state_tensors))
 
     def items_for(self, group: dict[str, Any],
                   state: Mapping[Tensor, dict[str, Any]]) -> tuple[list[MuonTensors], list[AdamWTensors]] | None:
@@ -582,7 +592,8 @@ class _HeldItems:
         a gradient is sparse: the step's check then refuses it)."""
         params = group["params"]
         if (params is not self.params or len(params) != len(self.entries) or state is not self.state
-                or not all(map(operator.is_, map(group.get, _LAYOUT_OPTIONS), self.options))):
+                or not all(map(operator.is_, map(group.get, _LAYOUT_OPTIONS), self.options))
+                or self.addresses is None or tuple(map(Tensor.data_ptr, self.state_tensors)) != self.addresses):
             return None
         for param, (held, dtype, shape, param_state, keys, values, item) in zip(params, self.entries):
             grad = param.grad
@@ -1242,6 +1253,8 @@ class Muon(Optimizer):
             self._held = {id(group): self._held[id(group)] for group in self.param_groups if id(group) in self._held}
             for each in self._held.values():
                 each.release_gradients()
+                if each.addresses is None:
+                    each.note_addresses()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
