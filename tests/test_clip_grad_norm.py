@@ -108,6 +108,22 @@ def test_steps_after_our_clip_match_steps_after_torch_s(max_norm: float) -> None
         torch.testing.assert_close(param, expected_param, **_tolerance(torch.float32))
 
 
+def test_gradients_set_under_inference_mode_are_clipped_as_torch_clips_them(package) -> None:
+    """Inference tensors have no version counter: reading it raised after the gradients were scaled (a retry scaled
+    them twice). Their flags are not kept, so the step checks them itself."""
+    model, reference, ours, theirs = _twins(package, ns_dtype=torch.float64)
+    with torch.inference_mode():
+        for each in (model, reference):
+            for index, param in enumerate(each.parameters()):
+                param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(index))
+        ours.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    ours.step()
+    theirs.step()
+    for param, expected_param in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected_param, **_tolerance(torch.float32))
+
+
 def _adamw_routed(opt: torch.optim.Optimizer) -> int:
     return sum("exp_avg" in state for state in opt.state.values())
 

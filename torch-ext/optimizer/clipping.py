@@ -101,8 +101,9 @@ class CheckedGradients:
 
     def __init__(self, params: Sequence[Tensor], nonfinite: Tensor) -> None:
         self._nonfinite = nonfinite
-        self._checked = {param: (weakref.ref(param.grad), param.grad._version, index)
-                         for index, param in enumerate(params)}
+        # An inference tensor (a gradient set under inference mode) has no version counter: its flag is not kept.
+        self._checked = {param: (weakref.ref(param.grad), None if param.grad.is_inference() else param.grad._version,
+                                 index) for index, param in enumerate(params)}
 
     def found_inf(self, params: Sequence[Tensor]) -> Tensor | None:
         """(N,) float32, 1.0 where params[i]'s gradient is not finite, if every one of them was checked and is
@@ -113,7 +114,7 @@ class CheckedGradients:
             if checked is None:
                 return None
             grad_ref, version, index = checked
-            if grad_ref() is not param.grad or param.grad._version != version:
+            if grad_ref() is not param.grad or version is None or param.grad._version != version:
                 return None
             indices.append(index)
         return picked(self._nonfinite, indices)
