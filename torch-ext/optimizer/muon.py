@@ -246,6 +246,13 @@ def _reenter_(group: dict[str, Any]) -> None:
     group.update(entered)
 
 
+def _put_back_(groups_before: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    """Each group as it was before a step re-entered it (`_reenter_`), the step having been refused."""
+    for group, before in groups_before:
+        group.clear()
+        group.update(before)
+
+
 # torch.optim's flags that change what a step computes, which Muon does not implement: a group may carry them (a
 # torch optimizer's state dict has them) only switched off, or a group asking for one would be stepped without it.
 _UNSUPPORTED_FLAGS = ("maximize", "amsgrad", "differentiable")
@@ -890,9 +897,7 @@ class Muon(Optimizer):
         try:
             return [self._check_step_inputs(group, option_keys) for group in self.param_groups]
         except Exception:
-            for group, before in self._groups_before_reentry:
-                group.clear()
-                group.update(before)
+            _put_back_(self._groups_before_reentry)
             raise
 
     @staticmethod
@@ -956,9 +961,7 @@ class Muon(Optimizer):
             for group in self.param_groups:
                 _validate_group(group, at_step=True)
         except Exception:
-            for group, kept in before:
-                group.clear()
-                group.update(kept)
+            _put_back_(before)
             raise
 
     def _checked_options(self, group: dict[str, Any], option_keys: tuple[str, ...]) -> _Kept | None:

@@ -152,8 +152,7 @@ def _orthogonalized(chunk: list[SpreadItem], parts: dict[tuple[int, int], Tensor
     orthogonal = {(j, s): chunk[j].layout.to_storage(result) for (j, s), result in zip(whole, results)}
     divided = [j for j, item in enumerate(chunk) if item.shares[0].kind == COLUMNS]
     if divided:
-        columns = {key: (whole := chunk[key[0]].layout.to_global(part)).to(
-                       settings.orthogonalizer.staging_dtype(whole.dtype))
+        columns = {key: chunk[key[0]].layout.to_global(part).to(settings.orthogonalizer.staging_dtype(part.dtype))
                    for key, part in parts.items() if key not in orthogonal}
         blocks = yield from split_newton_schulz(
             columns, {j: tuple(share.owner for share in chunk[j].shares) for j in divided},
