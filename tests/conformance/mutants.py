@@ -3,10 +3,10 @@
 `CONFORMANCE_MUTANT=<name> pytest tests/conformance` runs the battery against one of them (conftest.py applies it
 for the session); `python tests/conformance/mutants.py [name ...]` runs each mutant against the tests meant to catch
 it and prints whether they did. A mutant is caught when at least one selected test fails. The breakages patch
-private names of the product (muon.py, functional.py), so they follow its internals: a mutant whose target has moved
-fails loudly when applied (AttributeError); one whose target stays but no longer takes part in the step (routing once
-asked `Muon._uses_muon`, then a module function) is caught only by running it, which the suite does
-(test_conformance_mutants.py).
+private names of the product (muon.py, the modules it imports, functional.py), so they follow its internals: a mutant
+whose target has moved fails loudly when applied (AttributeError); one whose target stays but no longer takes part in
+the step (routing once asked `Muon._uses_muon`, then a module function) is caught only by running it, which the suite
+does (test_conformance_mutants.py).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _state_dict_without_momentum(muon: type, module: Any, functional: Any) -> No
 
 
 def _no_shape_check(muon: type, module: Any, functional: Any) -> None:
-    _replace(module, "_check_saved_state", lambda real: lambda state_dict, groups: None)
+    _replace(module, "check_saved_state", lambda real: lambda state_dict, groups: None)
 
 
 def _load_changes_then_refuses(muon: type, module: Any, functional: Any) -> None:
@@ -219,11 +219,11 @@ def _lr_from_defaults(muon: type, module: Any, functional: Any) -> None:
 
 
 def _kept_options_go_stale(muon: type, module: Any, functional: Any) -> None:
-    _replace(module._Kept, "holds", lambda real: lambda self, options: True)
+    _replace(module.KeptOptions, "holds", lambda real: lambda self, options: True)
 
 
 def _own_wording_only(muon: type, module: Any, functional: Any) -> None:
-    _replace(module, "_TORCH_WORDING", lambda real: {})
+    _replace(sys.modules[f"{module.__package__}.group_options"], "_TORCH_WORDING", lambda real: {})
 
 
 MUTANTS: dict[str, Mutant] = {

@@ -9,7 +9,7 @@ usually hands its block out again; the gradient setter keeps its shape and dtype
 passed again, the very object the plan was built from, is taken to hold the same tensors where they were but its
 gradient, whose check it then skips (~1 µs per item): a caller that replaces a state tensor or gives one new storage
 makes a new item, as the optimizer's held items are made anew whenever a parameter's state changes or moves
-(`muon._HeldItems`; a state tensor given new storage under the same object, as moving state to the host and back
+(`held_items.HeldItems`; a state tensor given new storage under the same object, as moving state to the host and back
 does, went on being written where it had been).
 
 The plans are kept by the parameters' addresses, a few at a time (one per call site: the AdamW tensors of each

@@ -306,7 +306,7 @@ class StagedUpdates:
 
     def pieces(self, item: AdamWTensors, budget: int) -> list[AdamWTensors]:
         """`_pieces(item, budget)`, and the same pieces as at the step before while the item is the same object (held
-        from step to step: `muon._HeldItems`) over the same memory, each with its slice of the gradient now: new
+        from step to step: `held_items.HeldItems`) over the same memory, each with its slice of the gradient now: new
         pieces at each step were laid out, bound and given a launch plan anew (GPT-2 small's embedding: ten pieces,
         ~0.7 ms of the offloaded step's host time, 2-core AMD EPYC)."""
         cut = self._cuts.get(id(item))
@@ -410,7 +410,7 @@ class LaidOut(Generic[Item]):
     """A group of items with their offloaded state as one fetch moves it: the homes in order (`lay_out`), each one's
     item (its index) and field, and once bound to device memory (`bind`), what crosses the host link and the items
     holding the copies. An item the optimizer holds from step to step changes only its gradient
-    (`muon._HeldItems`): any other change makes a new item, which a kept layout does not hold."""
+    (`held_items.HeldItems`): any other change makes a new item, which a kept layout does not hold."""
 
     items: list[Item]
     places: list[tuple[int, str]]
@@ -516,7 +516,7 @@ def staged_adamw_update(items: list[AdamWTensors], found_inf: Tensor | None, *,
     step's end (`benchmarks/offload_model.py`, a model of the streams at an H100's copy rates: GPT-2 small's
     offloaded step 8.1 -> 6.9 ms of device time with int8 state, 19.5 -> 16.4 with float32; not measured). Without
     offload nothing is asked of the items: GPT-2 small's 97 AdamW tensors at 1/96 width took 1.28x fused AdamW's step
-    time while each step asked where their state lived, 1.19x since (with `_moment_form` answering the default first;
+    time while each step asked where their state lived, 1.19x since (with `moment_form` answering the default first;
     2-core AMD EPYC, three runs of each alternated)."""
     if schedule is None or not any_offloaded(items):
         adamw_update(items, found_inf, **settings)
