@@ -81,8 +81,16 @@ def test_backend_that_cannot_run_here_is_named() -> None:
         optimizer.gram(X, backend="cuda")
     with pytest.raises(RuntimeError, match="'cuda'"):
         optimizer.zeropower(X, backend="cuda")
-    with pytest.raises(RuntimeError, match="'blas'"):
+
+
+def test_a_name_that_is_no_backend_is_a_value_error() -> None:
+    # As every other bad argument of gram and zeropower; RuntimeError stays for a backend that cannot run here.
+    X = torch.randn(8, 8)
+    expected = r"Invalid backend: 'blas' \(expected one of 'torch', 'cpu', 'cuda', 'triton'\)"
+    with pytest.raises(ValueError, match=expected):
         optimizer.gram(X, backend="blas")
+    with pytest.raises(ValueError, match="Invalid backend: 'blas'"):
+        optimizer.zeropower(X, backend="blas")
 
 
 @pytest.mark.parametrize("units", [("amx_bf16", "avx512_bf16"), ("avx512_bf16",), ()])

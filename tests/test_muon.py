@@ -331,6 +331,47 @@ def test_one_launch_groups_kept_between_steps_step_as_fused_adamw(monkeypatch: p
         torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("count", [torch.tensor(0), torch.tensor(0.0, dtype=torch.float64)])
+def test_a_step_count_set_by_hand_in_another_dtype_steps_as_torch_adamw_steps_it(count: torch.Tensor) -> None:
+    """`state[p]["step"] = torch.tensor(0)` (int64) restarts AdamW's bias correction in torch's AdamW; ours failed it
+    in the AdamW part, after the Muon part had updated every matrix."""
+    torch.manual_seed(0)
+    ours = [torch.randn(6, 5), torch.randn(5)]
+    theirs = [ours[1].clone()]
+    opt = Muon([dict(params=ours[:1]), dict(params=ours[1:], use_muon=False)], lr=0.01, adamw_lr=ADAMW_SETTINGS["lr"],
+               adamw_betas=ADAMW_SETTINGS["betas"], adamw_eps=ADAMW_SETTINGS["eps"],
+               adamw_weight_decay=ADAMW_SETTINGS["weight_decay"])
+    reference = torch.optim.AdamW(theirs, fused=True, **ADAMW_SETTINGS)
+    for step in range(3):
+        seeded_grads(ours, step)
+        theirs[0].grad = ours[1].grad.clone()
+        if step == 2:
+            opt.state[ours[1]]["step"] = count.clone()
+            reference.state[theirs[0]]["step"] = torch.tensor(0.0)
+        opt.step()
+        reference.step()
+    torch.testing.assert_close(ours[1], theirs[0], rtol=1e-6, atol=1e-6)
+    assert opt.state[ours[1]]["step"].dtype == torch.float32 and opt.state[ours[1]]["step"].item() == 1
+
+
+def test_momentum_set_by_hand_in_its_parameters_layout_steps_as_contiguous_momentum() -> None:
+    """`state[w]["momentum_buffer"] = torch.zeros_like(w)` for a channels_last conv weight is channels_last: the
+    momentum op refused it, after the groups before it had been updated."""
+    def trained(momentum_like: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        params = [torch.randn(8, 6), torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last)]
+        opt = Muon([dict(params=params[:1], momentum=0.9), dict(params=params[1:])], lr=0.02)
+        for step in range(3):
+            seeded_grads(params, step)
+            if step == 2:
+                opt.state[params[1]]["momentum_buffer"] = momentum_like(params[1])
+            opt.step()
+        return params
+
+    for mine, fresh in zip(trained(torch.zeros_like), trained(lambda w: torch.zeros(w.shape))):
+        assert torch.equal(mine, fresh)
+
+
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
 def test_kept_launch_groups_follow_state_given_new_storage(monkeypatch: pytest.MonkeyPatch) -> None:
     """Moving optimizer state to the host and back (`value.data = value.data.to(device)`, a common snippet) gives each

@@ -145,6 +145,24 @@ def test_a_parametrized_weight_is_routed_as_its_module_is(parametrization: str) 
     assert len(found) == sum(1 for _ in model.named_parameters())
 
 
+def test_frozen_parameters_are_grouped_and_train_once_unfrozen() -> None:
+    """A backbone frozen for warm-up when the optimizer is built: its parameters were left out of the groups, and
+    after unfreezing they took gradients that no step applied (AdamW(model.parameters()) trains them)."""
+    def trained(frozen_at_build: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyLM()
+        model.blocks.requires_grad_(not frozen_at_build)
+        opt = optimizer.Muon(optimizer.muon_param_groups(model, lr=0.02))
+        model.blocks.requires_grad_(True)
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        opt.step()
+        return [param.detach() for param in model.parameters()]
+
+    for frozen, unfrozen in zip(trained(True), trained(False), strict=True):
+        assert torch.equal(frozen, unfrozen)
+
+
 def test_tied_head_appears_once_with_adamw() -> None:
     model = TinyLM(tie=True)
     groups = optimizer.muon_param_groups(model)

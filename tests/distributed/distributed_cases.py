@@ -261,6 +261,56 @@ def refused_dtensor_case(world: int, kind: str) -> None:
     assert not opt.state
 
 
+def misplaced_state_case(world: int, kind: str) -> None:
+    """A DTensor parameter's momentum placed otherwise than the parameter (from a run laid out otherwise), or a plain
+    tensor of its global shape (from a single-device run), set by hand or loaded through `load_state_dict`: each rank
+    would step another block of the momentum than its shard of the parameter (silently where the local shapes agree,
+    refused by a kernel part way through the step elsewhere). Both are refused before anything changes."""
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(8, 8), (12, 4)]
+
+    def stepped_once(placements: Sequence[Placement]) -> tuple[list[torch.Tensor], Muon]:
+        params = [distribute_tensor(t, mesh, placements, src_data_rank=None) for t in randn_tensors(shapes, seed=0)]
+        opt = Muon(params, **OPTIONS)
+        for param, grad in zip(params, randn_tensors(shapes, seed=1)):
+            param.grad = distribute_tensor(grad, mesh, placements, src_data_rank=None)
+        opt.step()
+        return params, opt
+
+    params, opt = stepped_once([Shard(0)])
+    momentum = opt.state[params[1]]["momentum_buffer"]
+    misplaced = momentum.full_tensor() if kind == "plain" else momentum.redistribute(mesh, [Shard(1)])
+    before = [(param.to_local().clone(), opt.state[param]["momentum_buffer"].to_local().clone()) for param in params]
+
+    def unchanged() -> bool:
+        return all(torch.equal(param.to_local(), old) and torch.equal(opt.state[param]["momentum_buffer"].to_local(),
+                                                                      old_momentum)
+                   for param, (old, old_momentum) in zip(params, before))
+
+    if kind == "placements":
+        saved = stepped_once([Shard(1)])[1].state_dict()
+    else:
+        saved = opt.state_dict()
+        saved = {**saved, "state": {index: {**state, "momentum_buffer": state["momentum_buffer"].full_tensor()}
+                                    for index, state in saved["state"].items()}}
+    try:
+        opt.load_state_dict(saved)
+    except ValueError as error:
+        assert "Invalid state_dict: state 'momentum_buffer' of parameter 0" in str(error), error
+    else:
+        raise AssertionError("the state dict was loaded")
+    assert unchanged()
+    opt.state[params[1]]["momentum_buffer"] = misplaced
+    try:
+        opt.step()
+    except RuntimeError as error:
+        assert "Invalid state: 'momentum_buffer' of parameter #1" in str(error), error
+    else:
+        raise AssertionError("the step was not refused")
+    opt.state[params[1]]["momentum_buffer"] = momentum
+    assert unchanged()
+
+
 def float64_beyond_float32_case(world: int) -> None:
     """float64 parameters with gradients beyond float32's range, sent in float64 to owners iterating in float32: the
     owners scale them in float64 first, as one device does (they were cast to float32 first: inf, and NaN
@@ -282,12 +332,13 @@ def float64_beyond_float32_case(world: int) -> None:
     assert_matches(params, reference, FP32_ATOL)
 
 
-def fsdp2_case(world: int, max_norm: float | None = None, groups: Sequence[dict] = ()) -> None:
+def fsdp2_case(world: int, max_norm: float | None = None, groups: Sequence[dict] = (), compiled: bool = False) -> None:
     """fully_shard on a small MLP (uneven shards; empty ones on 4 ranks), biases through AdamW, the batch split
     over ranks; the reference trains an unsharded copy on the whole batch (FSDP2 averages gradients). With
     `max_norm`, Muon.clip_grad_norm_ clips the DTensor gradients (torch's function does it for them) and the
     reference is clipped by torch's function on one device. With `groups`, the parameters dealt out to them (see
-    `grouped`): the biases' shards share one AdamW update, each at its group's rates."""
+    `grouped`): the biases' shards share one AdamW update, each at its group's rates. `compiled`: the step through
+    `torch.compile(opt.step)` (dynamo failed at the first step, tracing into the distributed layouts)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 10), nn.Tanh(), nn.Linear(10, 3), nn.Tanh(), nn.Linear(3, 8))
     reference = copy.deepcopy(model)
@@ -299,6 +350,7 @@ def fsdp2_case(world: int, max_norm: float | None = None, groups: Sequence[dict]
     ours = Muon(grouped(list(model.parameters()), groups), **OPTIONS, comm_dtype=torch.float32)
     truth = Muon(grouped(list(reference.parameters()), groups), **OPTIONS)
     rank, per_rank = dist.get_rank(), 4
+    step_ours = torch.compile(ours.step) if compiled else ours.step
     for step in range(STEPS):
         batch = torch.randn(world * per_rank, 16, generator=torch.Generator().manual_seed(200 + step))
         model(batch[rank * per_rank:(rank + 1) * per_rank]).square().mean().backward()
@@ -307,7 +359,7 @@ def fsdp2_case(world: int, max_norm: float | None = None, groups: Sequence[dict]
             norm = ours.clip_grad_norm_(max_norm)
             expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
             torch.testing.assert_close(norm.full_tensor() if isinstance(norm, DTensor) else norm, expected)
-        ours.step()
+        step_ours()
         truth.step()
         ours.zero_grad()
         truth.zero_grad()
@@ -483,6 +535,8 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         "partial_placement_in_a_later_group_is_refused_first": partial(refused_dtensor_case, world, "partial"),
         "float64_gradients_beyond_float32s_range": partial(float64_beyond_float32_case, world),
         "local_shard_other_than_placements_is_refused_first": partial(refused_dtensor_case, world, "local"),
+        "momentum_placed_otherwise_is_refused_first": partial(misplaced_state_case, world, "placements"),
+        "plain_momentum_of_a_dtensor_is_refused_first": partial(misplaced_state_case, world, "plain"),
         "ddp_process_group": partial(ddp_case, world),
         "ddp_process_group_groups_by_lr_and_decay": partial(ddp_case, world, groups=LR_DECAY_GROUPS),
         "shard0_groups_by_lr_and_decay": partial(groups_by_lr_and_decay_case, world, [Shard(0)]),
@@ -545,6 +599,8 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         cases["strided_shard1_neuron_normalization"] = partial(dtensor_case, (world,),
                                                                [_StridedShard(1, split_factor=2)],
                                                                normalization="neuron")
+    if world == 2:  # compiling takes ~20 s a rank on 2 cores: once
+        cases["fsdp2_fully_shard_compiled_step"] = partial(fsdp2_case, world, compiled=True)
     if world == 4:
         cases["mesh2x2_strided_shard0_shard0"] = partial(dtensor_case, (2, 2), [_StridedShard(0, split_factor=2),
                                                                                 Shard(0)])

@@ -4,7 +4,7 @@ restored after torch's load cast them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
@@ -12,15 +12,10 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
-from .normalization import moment_dtype
-from .state_layout import ADAMW_MOMENTS, MOMENT_STATE_KEYS, MUON_MOMENTS, misshapen_state
+from .state_layout import (ADAMW_MOMENTS, MOMENT_STATE_KEYS, MUON_MOMENTS, OWN_DTYPES, misplaced_state,
+                           misshapen_state)
 from .state_precision import CODES_KEYS, MOMENT_KEYS, codes_key
 
-# State that must keep its own dtype through load_state_dict (torch casts other floating state to the parameter's
-# dtype, which would turn a step count or a float32 second moment into bf16 for a bf16 parameter).
-_EXACT_STATE_DTYPES: dict[str, Callable[[torch.dtype], torch.dtype]] = {
-    "step": lambda _: torch.float32, "update_step": lambda _: torch.float32, "update_sq": moment_dtype,
-    "nonfinite_skips": lambda _: torch.int64, "rounding_count": lambda _: torch.int64}
 # State created together, so saved together: lazy initialisation keys on one of each (AdamW's "step", a
 # normalization's "update_sq"), and without the others the next step would restart them or fail part way.
 _SAVED_TOGETHER = ((("step", "exp_avg", "exp_avg_sq"), "AdamW state"),
@@ -85,6 +80,12 @@ def check_saved_state(state_dict: dict[str, Any], param_groups: list[dict[str, A
             raise ValueError(f"Invalid state_dict: state {key!r} of parameter {saved_id!r} is {found}, expected a "
                              f"tensor of shape {expected} (the parameter it loads into has shape "
                              f"{tuple(param.shape)})")
+        misplaced = None if not saved else misplaced_state(saved, param)
+        if misplaced is not None:
+            key, found, expected = misplaced
+            raise ValueError(f"Invalid state_dict: state {key!r} of parameter {saved_id!r} is {found}, expected "
+                             f"{expected}, as the parameter it loads into is laid out (state saved under another "
+                             "layout loads through torch.distributed.checkpoint, which reshards it)")
 
 
 def _check_saved_moments(saved_id: Any, saved: dict[str, Any]) -> None:
@@ -147,7 +148,7 @@ def restore_state_dtypes_(state: Mapping[Tensor, dict[str, Any]], state_dict: di
     params = chain.from_iterable(group["params"] for group in param_groups)
     for saved_id, param in zip(saved_ids, params):
         saved = state_dict["state"].get(saved_id, {})
-        exact_dtypes = {key: dtype_for(param.dtype) for key, dtype_for in _EXACT_STATE_DTYPES.items()}
+        exact_dtypes = {key: dtype_for(param.dtype) for key, dtype_for in OWN_DTYPES.items()}
         # Moments and their scales load as they were saved (torch would cast them to the parameter's dtype); a
         # step converts them if the group now stores them in another form.
         exact_dtypes.update({key: saved[key].dtype for key in saved if key in MOMENT_STATE_KEYS})

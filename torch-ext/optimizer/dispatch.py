@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import native
+from .option_values import check_choice
 from .precision import cpu_matrix_units, cuda_capability, without_autocast
 from .triton_kernels import TRITON_AVAILABLE
 from .triton_ops import gram_product, polynomial_product
@@ -62,15 +63,13 @@ def _unavailable_reason(backend: str, dtype: torch.dtype, device: torch.device) 
         if dtype not in _COMPILED_DTYPES:
             return f"it does not support {dtype}"
         return _bfloat16_unsupported(dtype, device)
-    if backend == "triton":
-        if not TRITON_AVAILABLE:
-            return "Triton is not installed"
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"Triton kernels need a GPU tensor and this one is on {device}"
-        if dtype not in _TRITON_DTYPES:
-            return f"it does not support {dtype}"
-        return _bfloat16_unsupported(dtype, device)
-    return f"it is not one of {', '.join(BACKENDS)}"
+    if not TRITON_AVAILABLE:  # "triton", the last of BACKENDS
+        return "Triton is not installed"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"Triton kernels need a GPU tensor and this one is on {device}"
+    if dtype not in _TRITON_DTYPES:
+        return f"it does not support {dtype}"
+    return _bfloat16_unsupported(dtype, device)
 
 
 def _bfloat16_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -89,6 +88,9 @@ def available_backends(dtype: torch.dtype, device: torch.device | str) -> list[s
 
 
 def check_backend(backend: str, dtype: torch.dtype, device: torch.device) -> None:
+    """A ValueError for a name that is no backend, as for every other bad argument; a RuntimeError for a backend that
+    cannot run here."""
+    check_choice("backend", backend, BACKENDS)
     reason = _unavailable_reason(backend, dtype, device)
     if reason is not None:
         raise RuntimeError(f"backend={backend!r} cannot run here: {reason}")

@@ -39,8 +39,8 @@ from .precision import default_ns_dtype, ns_dtype_choice, warn_if_slow, without_
 from .qk_clip import (DEFAULT_THRESHOLD, QKClipLayer, check_qk_logits, check_threshold, clip_checked_,
                       resolve_layers)
 from .routing import MatrixView, check_forced_muon, muon_view
-from .state_layout import (ADAMW_MOMENTS, ADAMW_STATE, MUON_MOMENTS, MUON_STATE, keep_moments, misshapen_state,
-                           moment_form, param_state_keys, state_keys)
+from .state_layout import (ADAMW_MOMENTS, ADAMW_STATE, MUON_MOMENTS, MUON_STATE, keep_moments, keep_own_dtypes,
+                           misplaced_state, misshapen_state, moment_form, param_state_keys, state_keys)
 from .state_precision import rounds_stochastically
 from .workspace import Workspace
 
@@ -376,7 +376,8 @@ class Muon(Optimizer):
 
     def _check_state_shapes(self, group: dict[str, Any]) -> None:
         """State that fits each parameter that steps: one resized in place (`param.data = ...`) since its state was
-        made would have its update refused by a kernel part way through the step."""
+        made would have its update refused by a kernel part way through the step, and state of a DTensor parameter
+        placed otherwise (or a plain tensor) paired with its shards."""
         for name, param in zip(param_names(group), group["params"]):
             state = self.state.get(param)
             misshapen = None if not state or param.grad is None else misshapen_state(state, param.shape)
@@ -385,6 +386,12 @@ class Muon(Optimizer):
                 raise RuntimeError(f"Invalid state: {key!r} of parameter {name} is {found}, expected {expected} for "
                                    f"the parameter's shape {tuple(param.shape)} (resized since its state was made? "
                                    "`del optimizer.state[param]` restarts it, or load a state of its new shape)")
+            misplaced = None if not state or param.grad is None else misplaced_state(state, param)
+            if misplaced is not None:
+                key, found, expected = misplaced
+                raise RuntimeError(f"Invalid state: {key!r} of parameter {name} is {found}, expected {expected}, as "
+                                   "its parameter is laid out (each rank would step another block of it than its "
+                                   "parameter's)")
 
     def _check_spread_params(self, group: dict[str, Any]) -> None:
         """DTensor parameters a distributed update can spread (`check_spread_param`): it runs group by group and
@@ -523,9 +530,11 @@ class Muon(Optimizer):
 
     def _prepared_state(self, group: dict[str, Any], param: Tensor, view: MatrixView | None) -> dict[str, Any]:
         """A parameter's state as this step needs it (`view`: its matrix view if Muon steps it, None for AdamW): created
-        where missing, its moments in the group's state_dtype, and with offload, the moments in pinned host memory
-        (where they are created or loaded, on its device). Returns it."""
+        where missing, its moments in the group's state_dtype and contiguous, its counters in their own dtypes, and
+        with offload, the moments in pinned host memory (where they are created or loaded, on its device). Returns
+        it."""
         state = self.state[param]
+        keep_own_dtypes(state, param.dtype)
         if "nonfinite_skips" not in state:
             state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64, device=param.device)
         rounding_count = None
@@ -540,9 +549,6 @@ class Muon(Optimizer):
                 state["update_sq"] = zeros_like_resized(
                     param, second_moment_shape(param.shape, view, group["normalization"]), moment_dtype(param.dtype))
                 state["update_step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            elif "update_sq" in state and state["update_sq"].dtype != moment_dtype(param.dtype):
-                # The parameter's dtype changed in place (model.double()), as a checkpoint would load it.
-                state["update_sq"] = state["update_sq"].to(moment_dtype(param.dtype))
         else:
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)

@@ -4,14 +4,16 @@ state_dtype), created or converted to that form, and the shapes a parameter's st
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .distributed.dtensors import local_or_none, local_tensor, splits_last_dim, zeros_like_resized
+from .distributed.dtensors import (laid_out_as, layout_name, local_or_none, local_tensor, splits_last_dim,
+                                  state_layout_name, zeros_like_resized)
 from .distributed.layout import shard_positions
+from .normalization import moment_dtype
 from .state_precision import (CODES_KEYS, MOMENT_KEYS, codes_key, is_quantized, rounds_stochastically, scale_key,
                               scales_shape, store_, stored_dtype, working_copy)
 
@@ -22,10 +24,28 @@ _SCALE_STATE_KEYS = tuple(scale_key(key) for key in MOMENT_KEYS)
 _MOMENTUM_SCALES, _EXP_AVG_SCALES, _EXP_AVG_SQ_SCALES = _SCALE_STATE_KEYS  # in MOMENT_KEYS' order
 _MOMENTUM_CODES, _EXP_AVG_CODES, _EXP_AVG_SQ_CODES = CODES_KEYS
 MOMENT_STATE_KEYS = (*MOMENT_KEYS, *CODES_KEYS, *_SCALE_STATE_KEYS)
+_PER_ELEMENT_KEYS = (*MOMENT_STATE_KEYS, "update_sq")
 # Each part's moments, each with the keys of its 8-bit codes and their scales (formed once: a step asks for them per
 # parameter).
 MUON_MOMENTS = (("momentum_buffer", _MOMENTUM_CODES, _MOMENTUM_SCALES),)
 ADAMW_MOMENTS = (("exp_avg", _EXP_AVG_CODES, _EXP_AVG_SCALES), ("exp_avg_sq", _EXP_AVG_SQ_CODES, _EXP_AVG_SQ_SCALES))
+
+
+# The dtype each counter and the second moment keep, whatever their parameter's: torch's load casts floating state to
+# the parameter's dtype (a bf16 step count stops at 256), a parameter's dtype changes in place (`model.double()`), and a
+# count set by hand (`state["step"] = torch.tensor(0)`, int64) failed the update part way through a step.
+OWN_DTYPES: dict[str, Callable[[torch.dtype], torch.dtype]] = {
+    "step": lambda _: torch.float32, "update_step": lambda _: torch.float32, "update_sq": moment_dtype,
+    "nonfinite_skips": lambda _: torch.int64, "rounding_count": lambda _: torch.int64}
+
+
+def keep_own_dtypes(state: dict[str, Any], param_dtype: torch.dtype) -> None:
+    """The counters and second moment `state` holds, in their `OWN_DTYPES`."""
+    for key, dtype_for in OWN_DTYPES.items():
+        value = state.get(key)
+        dtype = dtype_for(param_dtype)
+        if value is not None and value.dtype != dtype:
+            state[key] = value.to(dtype)
 
 
 # The state a step's items take, in the order `Muon._init_group` lists it and `Muon._gather` reads it.
@@ -79,6 +99,15 @@ def misshapen_state(state: Mapping[str, Any], shape: torch.Size) -> tuple[str, A
     return None
 
 
+def misplaced_state(state: Mapping[str, Any], param: Tensor) -> tuple[str, str, str] | None:
+    """The first per-element state entry (of a shape that fits `param`, `misshapen_state`) not laid out as a step
+    makes it (`laid_out_as`): its key, its layout and the one expected."""
+    for key, value in state.items():
+        if key in _PER_ELEMENT_KEYS and isinstance(value, Tensor) and not laid_out_as(value, param):
+            return key, layout_name(value), state_layout_name(param, value.shape)
+    return None
+
+
 def moment_form(param: Tensor, state_dtype: torch.dtype | str | None) -> tuple[torch.dtype, bool]:
     """The dtype a parameter's moments are stored in, and whether as 8-bit codes with block scales. "int8" applies to
     tensors of 2 or more dims whose last dim each rank holds whole; vectors, scalars and shards of a split last dim
@@ -100,6 +129,8 @@ def keep_moments(state: dict[str, Any], param: Tensor, moments: tuple[tuple[str,
         kept_key = codes if quantized else key
         moment = state.get(kept_key)
         if moment is not None and moment.dtype == dtype:
+            if not local_tensor(moment).is_contiguous():  # set by hand in its parameter's layout (channels_last)
+                state[kept_key] = moment.contiguous()  # the update ops walk it as contiguous
             continue
         scales = state.pop(scales_key, None)
         stored = state.pop(codes if codes in state else key, None)

@@ -64,24 +64,60 @@ def splits_last_dim(tensor: Tensor) -> bool:
                                       for placement in tensor.placements)
 
 
-def zeros_like_resized(tensor: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    """Zeros of `shape`, `tensor`'s shape with some dims resized, on its device. For a DTensor, a DTensor on its mesh
-    split as `tensor` is along the dims it keeps; a dim it is split along may only be reduced to 1, and is then
-    replicated over those mesh dims."""
-    if not is_dtensor(tensor):
-        return torch.zeros(shape, dtype=dtype, device=tensor.device)
-    resized = [dim for dim, (size, full) in enumerate(zip(shape, tensor.shape)) if size != full]
+def resized_placements(tensor: Tensor, shape: Sequence[int]) -> tuple["Placement", ...] | None:
+    """The placements of state of `shape`, DTensor `tensor`'s shape with some dims resized, laid out like it: its own
+    along the dims kept, Replicate over a dim it is split along that is reduced to 1; None where such a dim takes
+    another size (no layout fits)."""
     placements = []
     for placement in tensor.placements:
         dim = sharded_tensor_dim(placement, tensor.ndim)
-        if dim in resized:
+        if dim is not None and shape[dim] != tensor.shape[dim]:
             if shape[dim] != 1:
-                raise ValueError(f"a DTensor split along dim {dim} ({tensor.placements}) has no state of size "
-                                 f"{shape[dim]} along it")
+                return None
             placement = Replicate()
         placements.append(placement)
+    return tuple(placements)
+
+
+def zeros_like_resized(tensor: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """Zeros of `shape`, `tensor`'s shape with some dims resized, on its device. For a DTensor, a DTensor on its mesh
+    placed as `resized_placements` says."""
+    if not is_dtensor(tensor):
+        return torch.zeros(shape, dtype=dtype, device=tensor.device)
+    placements = resized_placements(tensor, shape)
+    if placements is None:
+        raise ValueError(f"a DTensor of shape {tuple(tensor.shape)} placed {tensor.placements} has no state of shape "
+                         f"{tuple(shape)} (a dim it is split along may only be reduced to 1)")
     local = tensor.to_local()
-    local_shape = [shape[dim] if dim in resized else size for dim, size in enumerate(local.shape)]
+    local_shape = [size if shape[dim] == full else shape[dim]
+                   for dim, (size, full) in enumerate(zip(local.shape, tensor.shape))]
     zeros = torch.zeros(local_shape, dtype=dtype, device=local.device)
     return DTensor.from_local(zeros, tensor.device_mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
+
+
+def laid_out_as(value: Tensor, param: Tensor) -> bool:
+    """Whether per-element state `value` (of a shape `zeros_like_resized` makes for `param`) is laid out as the step
+    makes it: a plain tensor for a plain parameter; for a DTensor one, a DTensor on its mesh placed as
+    `resized_placements` says (a rank's shard of state placed otherwise is another block of the tensor than its
+    parameter's shard, which the step would pair with it). State of a shape no layout fits is its shape's problem
+    (a second moment of another normalization), reported as such."""
+    if not is_dtensor(param):
+        return not is_dtensor(value)
+    expected = resized_placements(param, value.shape)
+    return expected is None or (is_dtensor(value) and value.device_mesh == param.device_mesh
+                                and tuple(value.placements) == expected)
+
+
+def layout_name(tensor: Tensor) -> str:
+    """How a tensor is laid out, for messages."""
+    return _placed(tensor.placements, tensor.device_mesh) if is_dtensor(tensor) else "a tensor"
+
+
+def state_layout_name(param: Tensor, shape: Sequence[int]) -> str:
+    """How per-element state of `shape` is laid out for `param` (`laid_out_as`), for messages."""
+    return _placed(resized_placements(param, shape), param.device_mesh) if is_dtensor(param) else "a tensor"
+
+
+def _placed(placements: Sequence["Placement"], mesh: object) -> str:
+    return f"a DTensor placed {tuple(placements)} on {mesh}"

@@ -29,6 +29,10 @@ def is_spread(param: Tensor, process_group: dist.ProcessGroup | None) -> bool:
     return is_dtensor(param) or process_group is not None
 
 
+# Run eagerly under torch.compile (a graph break, as the AdamW part takes): dynamo cannot trace the layouts' reading
+# of DTensor placements (it failed the first compiled step of an FSDP2 model), and the collectives between ranks
+# leave little for a graph to fuse.
+@torch.compiler.disable
 def distributed_muon_update(items: Sequence[MuonTensors], *, process_group: dist.ProcessGroup | None,
                             comm_dtype: torch.dtype, chunk_size: int | None, lr: LearningRate | Sequence[float],
                             weight_decay: float | Sequence[float], momentum: float, nesterov: bool,
