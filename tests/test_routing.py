@@ -145,22 +145,27 @@ def test_a_parametrized_weight_is_routed_as_its_module_is(parametrization: str) 
     assert len(found) == sum(1 for _ in model.named_parameters())
 
 
-def test_frozen_parameters_are_grouped_and_train_once_unfrozen() -> None:
-    """A backbone frozen for warm-up when the optimizer is built: its parameters were left out of the groups, and
-    after unfreezing they took gradients that no step applied (AdamW(model.parameters()) trains them)."""
+def test_frozen_parameters_are_left_out_and_join_through_add_param_group() -> None:
+    """As timm's groups: a checkpoint of these groups lists no frozen parameter. A backbone unfrozen later joins
+    through add_param_group and then trains as in groups built unfrozen."""
     def trained(frozen_at_build: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = TinyLM()
         model.blocks.requires_grad_(not frozen_at_build)
         opt = optimizer.Muon(optimizer.muon_param_groups(model, lr=0.02))
-        model.blocks.requires_grad_(True)
+        names = {name for group in opt.param_groups for name in group["param_names"]}
+        assert any(name.startswith("blocks.") for name in names) is not frozen_at_build
+        if frozen_at_build:
+            model.blocks.requires_grad_(True)
+            for group in optimizer.muon_param_groups(model.blocks, lr=0.02):
+                opt.add_param_group(group)
         for param in model.parameters():
             param.grad = torch.ones_like(param)
         opt.step()
         return [param.detach() for param in model.parameters()]
 
-    for frozen, unfrozen in zip(trained(True), trained(False), strict=True):
-        assert torch.equal(frozen, unfrozen)
+    for joined, unfrozen in zip(trained(True), trained(False), strict=True):
+        assert torch.equal(joined, unfrozen)
 
 
 def test_tied_head_appears_once_with_adamw() -> None:

@@ -51,7 +51,7 @@ class KeptOptions:
                 and not any(map(group.get, UNSUPPORTED_FLAGS)))
 
 
-# The options that decide how a group's parameters are routed and what state they keep (`_view`, `state_keys`,
+# The options that decide how a group's parameters are routed and what state they keep (`muon._view`, `state_keys`,
 # `Muon._prepared_state`): held items hold while these stay the same objects, whatever the others do (a scheduler
 # sets a new `lr` at every step).
 LAYOUT_OPTIONS = ("use_muon", "param_layout", "conv_mode", "state_dtype", "normalization")

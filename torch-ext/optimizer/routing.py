@@ -192,9 +192,9 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
     from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the weight would
     be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on every group; the
     no-decay group keeps adamw_weight_decay=0; the routing keys are refused, since the groups are the routing. Shared
-    (tied) parameters appear once. Frozen parameters are in the groups, as in `model.parameters()`: a step passes
-    over them while they have no gradient, and trains them once they are unfrozen. Groups carry `param_names`, so
-    state dicts are keyed readably.
+    (tied) parameters appear once. Frozen parameters (requires_grad=False) are left out, as timm's groups leave them
+    (and the checkpoints of these groups expect): to train them once unfrozen, add their groups with
+    `add_param_group`. Groups carry `param_names`, so state dicts are keyed readably.
     """
     routing_keys = sorted(set(overrides) & {"use_muon", "use_fallback", "param_layout"})
     if routing_keys:
@@ -203,7 +203,7 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
     roles: dict[str, list[tuple[str, Tensor]]] = {}
     seen: set[int] = set()
     for name, param, role in _classify(model):
-        if id(param) in seen:
+        if id(param) in seen or not param.requires_grad:
             continue
         seen.add(id(param))
         roles.setdefault(role, []).append((name, param))

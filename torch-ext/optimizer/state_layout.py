@@ -60,7 +60,7 @@ def state_keys(group: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None
     return _used_state_keys(group["state_dtype"], group["normalization"], keys)
 
 
-@functools.cache  # asked twice per group and step (`_init_group`, which runs eagerly under torch.compile too)
+@functools.cache  # asked twice per group and step (`Muon._init_group`, which runs eagerly under torch.compile too)
 def _used_state_keys(state_dtype: torch.dtype | str | None, normalization: str | None,
                      keys: tuple[str, ...]) -> tuple[str | None, ...]:
     unused = set()
