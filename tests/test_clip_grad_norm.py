@@ -7,7 +7,9 @@ without the op; here through the build without compiled ops)."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -198,6 +200,23 @@ def test_non_finite_gradients_are_skipped_as_after_torch_s_clip(package, bad: fl
         torch.testing.assert_close(param, expected, **_tolerance(torch.float32))
     torch.testing.assert_close(model[2].weight, poisoned, rtol=0, atol=0)
     assert ours.nonfinite_skips() == theirs.nonfinite_skips() > 0
+
+
+def test_a_parameter_removed_after_a_clip_is_freed_with_its_model() -> None:
+    """The clip's flags held every clipped parameter until the next clip where a step had no AdamW part to use them
+    (matrices only)."""
+    kept, removed = torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(6, 4))
+    opt = optimizer.Muon([dict(params=[kept]), dict(params=[removed])], lr=0.02)
+    kept.grad, removed.grad = torch.randn_like(kept), torch.randn_like(removed)
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    del opt.param_groups[1], opt.state[removed]
+    kept.grad = torch.randn_like(kept)
+    opt.step()  # no clip: the held items of the removed group go at this step
+    removed_ref = weakref.ref(removed)
+    del removed
+    gc.collect()
+    assert removed_ref() is None
 
 
 def test_a_gradient_replaced_after_the_clip_is_read_again(package) -> None:

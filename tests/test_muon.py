@@ -372,6 +372,30 @@ def test_momentum_set_by_hand_in_its_parameters_layout_steps_as_contiguous_momen
         assert torch.equal(mine, fresh)
 
 
+def test_state_cleared_between_steps_is_freed_before_the_next_step_makes_new_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`optimizer.state.clear()` to restart the moments (or free them): the step after it made the new state while the
+    items it held from the step before still held the old, twice a model's state at that step's peak."""
+    params = [torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(6))]
+    opt = Muon(params, lr=0.02)
+    seeded_grads(params, 0)
+    opt.step()
+    old = [weakref.ref(value) for state in opt.state.values() for value in state.values()]
+    opt.state.clear()
+    alive_when_made = []
+    muon_module = submodule(optimizer, "muon")
+    real = muon_module.keep_moments
+
+    def keep_moments(*args: Any, **kwargs: Any) -> None:
+        alive_when_made.append(sum(ref() is not None for ref in old))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(muon_module, "keep_moments", keep_moments)
+    seeded_grads(params, 1)
+    opt.step()
+    assert alive_when_made == [0, 0]
+
+
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="CPU tensors in Triton kernels need the interpreter")
 def test_kept_launch_groups_follow_state_given_new_storage(monkeypatch: pytest.MonkeyPatch) -> None:
     """Moving optimizer state to the host and back (`value.data = value.data.to(device)`, a common snippet) gives each

@@ -97,24 +97,29 @@ def clip_grad_norm_(grads: Sequence[Tensor], max_norm: float, error_if_nonfinite
 class CheckedGradients:
     """The non-finite flags a clip left for the next step, each valid while its parameter's gradient is still the
     tensor that was checked, unchanged since (same tensor, same version counter: in-place writes bump it, except
-    writes through `.data`). Gradients are held weakly: one set to None and freed is simply no longer checked."""
+    writes through `.data`). Parameters and gradients are held weakly: a parameter removed from the optimizer is freed
+    with its model (a step of Muon parameters alone kept the flags, and every clipped parameter, until the next clip),
+    and a gradient set to None and freed is simply no longer checked."""
 
     def __init__(self, params: Sequence[Tensor], nonfinite: Tensor) -> None:
         self._nonfinite = nonfinite
-        # An inference tensor (a gradient set under inference mode) has no version counter: its flag is not kept.
-        self._checked = {param: (weakref.ref(param.grad), None if param.grad.is_inference() else param.grad._version,
-                                 index) for index, param in enumerate(params)}
+        # By id, each with a weak reference that tells a freed parameter's id reused from it. An inference tensor (a
+        # gradient set under inference mode) has no version counter: its flag is not kept.
+        self._checked = {id(param): (weakref.ref(param), weakref.ref(param.grad),
+                                     None if param.grad.is_inference() else param.grad._version, index)
+                         for index, param in enumerate(params)}
 
     def found_inf(self, params: Sequence[Tensor]) -> Tensor | None:
         """(N,) float32, 1.0 where params[i]'s gradient is not finite, if every one of them was checked and is
         unchanged; else None (the step reads them itself). Not to be written: it may be a slice of the clip's."""
         indices = []
         for param in params:
-            checked = self._checked.get(param)
+            checked = self._checked.get(id(param))
             if checked is None:
                 return None
-            grad_ref, version, index = checked
-            if grad_ref() is not param.grad or version is None or param.grad._version != version:
+            param_ref, grad_ref, version, index = checked
+            if (param_ref() is not param or grad_ref() is not param.grad or version is None
+                    or param.grad._version != version):
                 return None
             indices.append(index)
         return picked(self._nonfinite, indices)

@@ -692,13 +692,15 @@ class Muon(Optimizer):
         kept, held = zip(*self._checked_step_inputs(option_keys))
         # Not while tracing: dynamo in torch 2.11 cannot set an attribute of the optimizer (2.13's can), nor trace id()
         # of a dict. Kept entries stay valid across compiled steps: each holds only while its options are the same.
-        if not torch.compiler.is_compiling():
+        hold = not torch.compiler.is_compiling()
+        if hold:
             self._kept = {id(group): each for group, each in zip(self.param_groups, kept) if each is not None}
         state_tensors: list[list[Tensor | None]] = [[] for _ in self.param_groups]
         for group, tensors, items in zip(self.param_groups, state_tensors, held):
             if items is None:
+                if hold:  # the held state goes before new state is made: after `state.clear()` a step held both
+                    self._held.pop(id(group), None)
                 self._init_group(group, tensors)
-        hold = not torch.compiler.is_compiling()
         gathered = [self._gather(group, tensors, hold) if items is None else items
                     for group, tensors, items in zip(self.param_groups, state_tensors, held)]
         # Offloaded updates run once both parts have issued theirs, so that all their state streams in one schedule.
