@@ -59,6 +59,8 @@ DATASHEET_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H100 SXM": 989.4, "H200": 989
                          "L4": 121.0, "A10G": 70.0}
 DIST_WORLD = 4
 DIST_TIMEOUT_S = 600  # past this the dist workers are killed and the section reports that
+# With --emulated-peers: muon-fsdp2's bf16 Newton-Schulz where bf16 products are emulated takes minutes a step.
+EMULATED_PEERS_TIMEOUT_S = 3600
 
 
 @dataclass
@@ -426,24 +428,22 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         matrices, vectors = _step_params(device, matrix_shapes, vector_sizes, copies, embeddings)
         flop = sum(newton_schulz_flop(*shape, 5) for shape in matrix_shapes) * copies
         theirs = step_memory._optimizers(optimizer, "torch.optim.Muon + AdamW", matrices, vectors)
-        groups = [dict(params=matrices), dict(params=vectors, use_muon=False)]
-        ours = optimizer.Muon(groups, lr=0.02)
-        variants = {"normalization='neuron' (NorMuon)": optimizer.Muon(groups, lr=0.02, normalization="neuron"),
-                    "normalization='element' (AdaMuon)": optimizer.Muon(groups, lr=0.02, normalization="element"),
-                    "state_dtype=torch.bfloat16": optimizer.Muon(groups, lr=0.02, state_dtype=torch.bfloat16),
-                    "state_dtype='int8'": optimizer.Muon(groups, lr=0.02, state_dtype="int8"),
-                    "preconditioner='aol', ns_steps=4": optimizer.Muon(groups, lr=0.02, preconditioner="aol",
-                                                                       ns_steps=4)}
+        muon = functools.partial(step_memory.ours, optimizer, matrices, vectors)
+        ours = muon()
+        variants = {"normalization='neuron' (NorMuon)": muon(normalization="neuron"),
+                    "normalization='element' (AdaMuon)": muon(normalization="element"),
+                    "state_dtype=torch.bfloat16": muon(state_dtype=torch.bfloat16),
+                    "state_dtype='int8'": muon(state_dtype="int8"),
+                    "preconditioner='aol', ns_steps=4": muon(preconditioner="aol", ns_steps=4)}
         torch_kernels = {}
         if device.type == "cuda":  # on a CPU offload moves nothing, and the 16-bit Gram iteration runs slower
-            variants["offload='cpu'"] = optimizer.Muon(groups, lr=0.02, offload="cpu")
+            variants["offload='cpu'"] = muon(offload="cpu")
             # A quarter of the bytes to move: what offload's floor (the host link, see _offload_floor) leaves room for.
-            variants["offload='cpu', state_dtype='int8'"] = optimizer.Muon(groups, lr=0.02, offload="cpu",
-                                                                           state_dtype="int8")
-            variants["ns_algorithm='gram' (float16 on the GPU)"] = optimizer.Muon(groups, lr=0.02, ns_algorithm="gram")
+            variants["offload='cpu', state_dtype='int8'"] = muon(offload="cpu", state_dtype="int8")
+            variants["ns_algorithm='gram' (float16 on the GPU)"] = muon(ns_algorithm="gram")
             # What the one-launch Triton kernels (AdamW part, Muon update) save, side by side.
             torch_kernels = {"optimizer.Muon, torch's kernels where one-launch Triton ones serve":
-                             _without_one_launch(optimizer, optimizer.Muon(groups, lr=0.02).step)}
+                             _without_one_launch(optimizer, muon().step)}
         # The compiled step compiles twice: before and after the step that creates the optimizer state.
         steppers, failures = _running({"optimizer.Muon (defaults)": ours.step,
                                        "torch.compile(optimizer.Muon.step)": torch.compile(ours.step),
@@ -723,11 +723,13 @@ def _bytes_sent(step: Callable[[], object]) -> int:
     return sent
 
 
-def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, result_path: str) -> None:
+def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, emulated_peers: bool,
+                 result_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # The ranks share the machine's cores: one rank per core share, as torchrun's OMP_NUM_THREADS=1 would do.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    timeout = EMULATED_PEERS_TIMEOUT_S if emulated_peers else 300
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     from torch.distributed.device_mesh import init_device_mesh
     try:
         optimizer = get_local_kernel(REPO_ROOT / "build")
@@ -741,7 +743,7 @@ def _dist_worker(rank: int, world: int, port: int, blocks: int, repeats: int, re
         result["ours_bytes"] = [float(t) for t in gathered]
         naive = _NaiveGatherAll(optimizer, _dist_matrices(blocks, mesh))
         result["naive_ms"] = _timed_step_ms(naive.step, repeats, warm_up=False)  # no lazy state; the slowest row
-        result["muon_fsdp2"] = _muon_fsdp2_ms(optimizer, blocks, mesh, repeats)
+        result["muon_fsdp2"] = _muon_fsdp2_ms(optimizer, blocks, mesh, repeats, emulated_peers)
         result["device_model"] = _measured_device_model(optimizer, world)
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
@@ -782,15 +784,18 @@ def _measured_device_model(optimizer, world: int) -> dict[str, float]:
             sent / max(transfer - latency, 1e-9), "collective_latency_s": latency}
 
 
-def _muon_fsdp2_ms(optimizer, blocks: int, mesh, repeats: int) -> float | str:
-    """The PyPI package muon-fsdp2 on the same DTensors, or why it could not run (every rank decides alike)."""
+def _muon_fsdp2_ms(optimizer, blocks: int, mesh, repeats: int, emulated_peers: bool) -> float | str:
+    """The PyPI package muon-fsdp2 on the same DTensors, or why it could not run (every rank decides alike). Where
+    its bf16 products are emulated it runs only with `emulated_peers`, and then one timed step after the warm-up."""
     try:
         from muon_fsdp2 import Muon as MuonFsdp2
     except ImportError as error:
         return f"not installed ({error}); `pip install muon-fsdp2` to include it"
     slow = _precision(optimizer).slow_dtype_reason(torch.bfloat16, "cpu")
-    if slow:  # its Newton-Schulz is bf16, always
-        return f"its Newton-Schulz runs in bf16 only, and {slow}"
+    if slow and not emulated_peers:  # its Newton-Schulz is bf16, always
+        return f"its Newton-Schulz runs in bf16 only, and {slow} (`--emulated-peers` times one step of it anyway)"
+    if slow:
+        repeats = 1
     theirs = MuonFsdp2([dict(params=_dist_matrices(blocks, mesh), use_muon=True, lr=0.02, weight_decay=0.1)])
     try:
         return _timed_step_ms(theirs.step, repeats)
@@ -804,19 +809,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[str]]:
+def bench_dist(optimizer, blocks: int, repeats: int, emulated_peers: bool) -> tuple[list[Row], list[str]]:
     """Rows for our distributed step, the gather-everything baseline and muon-fsdp2, plus notes on bytes and
     balance. CPU and gloo only: the ranks are processes on this machine."""
     with tempfile.TemporaryDirectory() as folder:
         result_path = Path(folder) / "dist.json"
-        context = mp.start_processes(_dist_worker, args=(DIST_WORLD, _free_port(), blocks, repeats, str(result_path)),
+        context = mp.start_processes(_dist_worker, args=(DIST_WORLD, _free_port(), blocks, repeats, emulated_peers,
+                                                         str(result_path)),
                                      nprocs=DIST_WORLD, join=False, start_method="spawn")
-        deadline = time.monotonic() + DIST_TIMEOUT_S
+        timeout = EMULATED_PEERS_TIMEOUT_S if emulated_peers else DIST_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 for process in context.processes:
                     process.kill()
-                return [], [f"dist: killed after {DIST_TIMEOUT_S} s"]
+                return [], [f"dist: killed after {timeout} s"]
         result = json.loads(result_path.read_text())
     shapes = GPT2_SMALL_BLOCK * blocks
     flop = sum(newton_schulz_flop(*shape, 5) for shape in shapes)
@@ -826,7 +833,9 @@ def bench_dist(optimizer, blocks: int, repeats: int) -> tuple[list[Row], list[st
             Row("dist", case, "optimizer.Muon (all-to-all pipeline)", result["ours_ms"], flop, naive)]
     notes = []
     if isinstance(result["muon_fsdp2"], float):
-        rows.append(Row("dist", case, "muon-fsdp2 0.3 (bf16 NS, compiled)", result["muon_fsdp2"], flop, naive))
+        emulated = _precision(optimizer).slow_dtype_reason(torch.bfloat16, "cpu") is not None
+        label = "muon-fsdp2 0.3 (bf16 NS, compiled" + ("; bf16 emulated here: one timed step)" if emulated else ")")
+        rows.append(Row("dist", case, label, result["muon_fsdp2"], flop, naive))
     else:
         notes.append(f"dist: muon-fsdp2 skipped: {result['muon_fsdp2']}")
     numel = sum(rows_ * cols for rows_, cols in shapes)
@@ -922,6 +931,9 @@ def main() -> None:
                         help="timed runs per row on CPU (GPU: do_bench's own, GPU_ROUNDS times for paired rows)")
     parser.add_argument("--sections", default="gram,zeropower,step,dist", help="comma-separated subset to run")
     parser.add_argument("--dist-blocks", type=int, default=2, help="GPT-2 small blocks in the dist section")
+    parser.add_argument("--emulated-peers", action="store_true",
+                        help="time muon-fsdp2 in the dist section also where its bf16 products are emulated (one step: "
+                             "minutes)")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write the results file")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="folder for <device>-<date>.md")
     args = parser.parse_args()
@@ -982,7 +994,7 @@ def main() -> None:
                   f"{step_memory.METHOD[device.type]}): {label} {peak / 2**30:.2f} GiB"
                   for label, peak in step_memory.peak_bytes(device, torch_dtype).items()]
     if "dist" in sections:
-        dist_rows, dist_notes = bench_dist(optimizer, args.dist_blocks, max(3, args.repeats // 2))
+        dist_rows, dist_notes = bench_dist(optimizer, args.dist_blocks, max(3, args.repeats // 2), args.emulated_peers)
         rows += dist_rows
         notes += dist_notes
     notes += _autotune_notes(optimizer)

@@ -42,7 +42,14 @@ def _optimizers(optimizer, label: str, matrices: list[torch.Tensor],
     if options is None:
         return [torch.optim.Muon(matrices, lr=0.02, adjust_lr_fn="match_rms_adamw"),
                 torch.optim.AdamW(vectors, lr=0.02, betas=(0.9, 0.95), fused=True)]
-    return [optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02, **options)]
+    return [ours(optimizer, matrices, vectors, **options)]
+
+
+def ours(optimizer, matrices: list[torch.Tensor], vectors: list[torch.Tensor], **options) -> torch.optim.Optimizer:
+    """optimizer.Muon over the step's matrices and, routed to AdamW, its vectors, in group dicts of its own: an
+    optimizer makes the very dict it is given its group and writes its defaults into it, as torch's do, so optimizers
+    built from one list of dicts would all take the first one's options."""
+    return optimizer.Muon([dict(params=matrices), dict(params=vectors, use_muon=False)], lr=0.02, **options)
 
 
 def _resident_bytes(field: str) -> int:
