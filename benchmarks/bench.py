@@ -43,6 +43,9 @@ GPT2_SMALL_BLOCK = [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
 GPT2_SMALL_VECTORS = [2304, 768, 3072, 768, 768, 768, 768, 768]  # biases and LayerNorm weights/biases per block
 GPT2_BLOCKS = 12
 GPT2_EMBEDDING = (50257, 768)  # the token embedding (tied output head), an AdamW tensor
+# Stacks of same-shape matrices as its step orthogonalizes them (wide): an MLP matrix per block, and the attention
+# output projections.
+GPT2_BUCKETS = [(GPT2_BLOCKS, 768, 3072), (GPT2_BLOCKS, 768, 768)]
 MNIST_MLP = [(256, 784), (256, 256), (10, 256)]  # the classifier most first tries of an optimizer train
 MNIST_MLP_VECTORS = [256, 256, 10]
 # GPT-2 small's 145 tensors, every dim divided by 96: its step is the optimizer's own Python and per-call overhead,
@@ -282,20 +285,22 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype
 
 def bench_buckets(optimizer, device: torch.device, ns_dtype: torch.dtype, repeats: int) -> list[Row]:
     """Five Newton-Schulz steps on GPT-2 small's stacks of same-shape matrices, as the optimizer runs them (batched,
-    its workspace reused from call to call), by each backend, side by side: what decides the CPU dispatcher's choice
-    for 16-bit products, which single matrices do not show. The baseline is the "torch" backend."""
+    its workspace reused from call to call, by the iteration its ns_algorithm="auto" picks: the Gram one for the wide
+    stack in float32), by each backend, side by side: what decides the CPU dispatcher's choice for 16-bit products,
+    which single matrices do not show. The baseline is the "torch" backend; GFLOP are the standard iteration's."""
     module = importlib.import_module(f"{optimizer.__name__}.newton_schulz")
     coefficients = _polar_express(optimizer)
     workspace = importlib.import_module(f"{optimizer.__name__}.workspace").Workspace()
     backends = _dispatch(optimizer).available_backends(ns_dtype, device)
     rows = []
-    for shape in [(GPT2_BLOCKS, 768, 3072), (GPT2_BLOCKS, 768, 768)]:
+    for shape in GPT2_BUCKETS:
         G = torch.randn(shape, device=device, dtype=ns_dtype)
+        algorithm = _ns_algorithm(optimizer, shape[1], shape[2], ns_dtype, device)
         runs = [lambda backend=backend: module.newton_schulz(G.clone(), coefficients, 1e-7, backend, ns_dtype,
-                                                             overwrite_input=True, workspace=workspace)
+                                                             algorithm, overwrite_input=True, workspace=workspace)
                 for backend in backends]
         times = paired_medians_ms(runs, device, repeats)
-        case = f"GPT-2 bucket {shape} {str(ns_dtype).removeprefix('torch.')} 5 steps"
+        case = f"GPT-2 bucket {shape} {str(ns_dtype).removeprefix('torch.')} 5 steps, {algorithm} iteration"
         flop = shape[0] * newton_schulz_flop(shape[1], shape[2], 5)
         auto = optimizer.kernel_choice(shape, ns_dtype, device)
         rows += [Row("zeropower", case, f"stack backend={backend}" + (" (auto)" if backend == auto else ""), ms, flop,
