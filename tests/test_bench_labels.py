@@ -4,6 +4,7 @@ label and against the optimizer's own step. Nothing here times anything."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +26,41 @@ def called_once(fns: list[Callable[[], object]], device: torch.device, repeats: 
     for fn in fns:
         fn()
     return [1.0] * len(fns)
+
+
+@pytest.fixture
+def small_gpt2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2 small's structure at a few rows a dimension, its step section's timing and compilation left out."""
+    monkeypatch.setattr(bench, "GPT2_SMALL_BLOCK", [(24, 8), (8, 8), (32, 8), (8, 32)])
+    monkeypatch.setattr(bench, "GPT2_SMALL_VECTORS", [24, 8, 32, 8, 8, 8, 8, 8])
+    monkeypatch.setattr(bench, "GPT2_BLOCKS", 2)
+    monkeypatch.setattr(bench, "GPT2_EMBEDDING", (40, 8))
+    monkeypatch.setattr(bench, "MNIST_MLP", [(16, 24), (16, 16), (10, 16)])
+    monkeypatch.setattr(bench, "MNIST_MLP_VECTORS", [16, 16, 10])
+    monkeypatch.setattr(bench, "paired_medians_ms", called_once)
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+
+
+def test_each_step_variant_holds_the_options_its_label_names(small_gpt2, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The variants were built from one list of group dicts, which the first optimizer made its groups and filled with
+    # its defaults: every "optimizer.Muon, <option>" row ran the defaults.
+    steppers: dict[str, Callable[[], object]] = {}
+    running = bench._running
+
+    def recorded(given: dict[str, Callable[[], object]]) -> tuple[dict[str, Callable[[], object]], list[str]]:
+        steppers.update(given)
+        return running(given)
+
+    monkeypatch.setattr(bench, "_running", recorded)
+    bench.bench_step(optimizer, CPU, torch.float32, repeats=1)
+    variants = {label.removeprefix("optimizer.Muon, "): step.__self__ for label, step in steppers.items()
+                if label.startswith("optimizer.Muon, ")}
+    assert {"normalization='neuron' (NorMuon)", "state_dtype='int8'"} <= variants.keys()
+    for label, opt in variants.items():
+        options = re.sub(r" \(.*\)$", "", label).split(", ")
+        for key, value in (option.split("=", 1) for option in options):
+            held = [repr(group[key]) if key in group else repr(getattr(opt, key)) for group in opt.param_groups]
+            assert held == [value] * len(opt.param_groups), (label, key)
 
 
 def test_bucket_rows_run_the_iteration_the_optimizer_runs_on_those_stacks(monkeypatch: pytest.MonkeyPatch) -> None:
