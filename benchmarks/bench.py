@@ -158,35 +158,38 @@ def peak_gflops(device: torch.device, dtype: torch.dtype, repeats: int) -> float
     return gram_flop(size, size) / (median_ms(lambda: torch.mm(a, b), device, repeats) * 1e-3) / 1e9
 
 
+def side_by_side(section: str, case: str, timed: dict[str, Callable[[], object]], flop: float,
+                 device: torch.device, repeats: int) -> list[Row]:
+    """A row per labelled function, all timed in the same rounds (`paired_medians_ms`), the first the baseline of
+    them all: timed one after the other, a machine that slows down part way would have slowed some of them only."""
+    times = paired_medians_ms(list(timed.values()), device, repeats)
+    return [Row(section, case, label, ms, flop, times[0]) for label, ms in zip(timed, times)]
+
+
 def bench_gram(optimizer, device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]],
                repeats: int) -> list[Row]:
     rows = []
     for m, k in shapes:
         X = torch.randn(m, k, device=device, dtype=dtype)
-        baseline = median_ms(lambda: torch.mm(X, X.T), device, repeats)
-        case = f"{m}x{k} {str(dtype).removeprefix('torch.')}"
-        rows.append(Row("gram", case, "torch.mm(X, X.T)", baseline, gram_flop(m, k), baseline))
-        backends = [b for b in _dispatch(optimizer).available_backends(dtype, device) if b != "torch"]
-        for backend in backends:
-            ms = median_ms(lambda: optimizer.gram(X, backend=backend), device, repeats)
-            rows.append(Row("gram", case, f"gram backend={backend}", ms, gram_flop(m, k), baseline))
+        timed: dict[str, Callable[[], object]] = {"torch.mm(X, X.T)": functools.partial(torch.mm, X, X.T)}
+        for backend in _dispatch(optimizer).available_backends(dtype, device):
+            if backend != "torch":
+                timed[f"gram backend={backend}"] = functools.partial(optimizer.gram, X, backend=backend)
         if device.type == "cuda" and dtype == torch.bfloat16 and m == k and m in EMERGING_SYRK_SIZES:
-            rows += _emerging_syrk_rows(X, case, baseline, repeats)
-        chosen = optimizer.kernel_choice((m, m), dtype, device)
-        ms = median_ms(lambda: optimizer.gram(X), device, repeats)
-        rows.append(Row("gram", case, f"gram auto ({chosen})", ms, gram_flop(m, k), baseline))
+            timed.update(_emerging_syrk(X))
+        timed[f"gram auto ({optimizer.kernel_choice((m, m), dtype, device)})"] = functools.partial(optimizer.gram, X)
+        rows += side_by_side("gram", f"{m}x{k} {str(dtype).removeprefix('torch.')}", timed, gram_flop(m, k), device,
+                             repeats)
     return rows
 
 
-def _emerging_syrk_rows(X: torch.Tensor, case: str, baseline: float, repeats: int) -> list[Row]:
+def _emerging_syrk(X: torch.Tensor) -> dict[str, Callable[[], object]]:
     """NVIDIA Emerging-Optimizers' Triton `tsyrk_ex` (bf16, TMA descriptors), if installed."""
     try:
         from emerging_optimizers.triton_kernels import tsyrk_ex
     except ImportError:
-        return []
-    m, k = X.shape
-    ms = median_ms(lambda: tsyrk_ex(X), X.device, repeats)
-    return [Row("gram", case, "emerging-optimizers tsyrk_ex", ms, gram_flop(m, k), baseline)]
+        return {}
+    return {"emerging-optimizers tsyrk_ex": functools.partial(tsyrk_ex, X)}
 
 
 def _dispatch(optimizer):
@@ -245,42 +248,53 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype
                     shapes: list[tuple[int, int]], repeats: int, compiled_reference: bool) -> list[Row]:
     """Five Newton-Schulz steps: ours (Polar Express) in each of `ns_dtypes`, by every backend and with the Gram
     iteration, vs torch.optim.Muon's routine in `torch_dtype`, and the time of our standard iteration's matrix
-    products alone (what the rest of zeropower adds is its overhead). GFLOP are the standard iteration's."""
+    products alone (what the rest of zeropower adds is its overhead), all of a shape side by side (`side_by_side`).
+    GFLOP are the standard iteration's."""
     rows = []
     coefficients = (3.4445, -4.7750, 2.0315)
     reference = _zeropower_via_newtonschulz
     if compiled_reference:
         reference = torch.compile(_zeropower_via_newtonschulz)
     dtype_name = str(torch_dtype).removeprefix("torch.")
+    name = f"torch.compile(torch.optim.Muon NS) {dtype_name}" if compiled_reference else \
+        f"torch.optim.Muon NS {dtype_name}"
     for m, n in shapes:
         G = torch.randn(m, n, device=device)
-        flop = newton_schulz_flop(m, n, 5)
-        name = f"torch.compile(torch.optim.Muon NS) {dtype_name}" if compiled_reference else \
-            f"torch.optim.Muon NS {dtype_name}"
-        with torch_muon_computing_in(torch_dtype):
-            baseline = median_ms(lambda: reference(G, coefficients, 5, 1e-7), device, repeats)
-        case = f"{m}x{n} 5 steps"
-        rows.append(Row("zeropower", case, name, baseline, flop, baseline))
+        timed: dict[str, Callable[[], object]] = {
+            name: functools.partial(_computing_in, torch_dtype, reference, G, coefficients, 5, 1e-7)}
         for ns_dtype in ns_dtypes:
-            ns_name = str(ns_dtype).removeprefix("torch.")
-            for backend in _dispatch(optimizer).available_backends(ns_dtype, device):
-                ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, backend=backend), device, repeats)
-                rows.append(Row("zeropower", case, f"zeropower {ns_name} backend={backend}", ms, flop, baseline))
-            auto_label = f"zeropower {ns_name} auto ({optimizer.kernel_choice((m, n), ns_dtype, device)})"
-            auto = lambda: optimizer.zeropower(G, 5, dtype=ns_dtype)  # noqa: E731
-            if compiled_reference:
-                rows.append(Row("zeropower", case, auto_label, median_ms(auto, device, repeats), flop, baseline))
-            else:
-                rows += _auto_and_products_alone_rows(optimizer, auto, auto_label, G.to(ns_dtype), case, flop,
-                                                      baseline, repeats)
-                ms = median_ms(lambda: optimizer.zeropower(G, 5, dtype=ns_dtype, algorithm="gram"), device, repeats)
-                picks = _ns_algorithm(optimizer, m, n, ns_dtype, device)
-                rows.append(Row("zeropower", case, f"zeropower {ns_name} algorithm=gram (auto would pick {picks})",
-                                ms, flop, baseline))
-                rows.append(_aol_row(optimizer, G, ns_dtype, case, flop, baseline, repeats))
+            timed.update(_our_zeropowers(optimizer, G, ns_dtype, compiled_reference))
         if not compiled_reference and device.type == "cuda":
-            rows += _emerging_newton_schulz_rows(G, case, flop, baseline, repeats)
+            timed.update(_emerging_newton_schulz(G))
+        rows += side_by_side("zeropower", f"{m}x{n} 5 steps", timed, newton_schulz_flop(m, n, 5), device, repeats)
     return rows
+
+
+def _computing_in(torch_dtype: torch.dtype, reference: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz routine called in `torch_dtype` (`torch_muon_computing_in`)."""
+    with torch_muon_computing_in(torch_dtype):
+        return reference(*args)
+
+
+def _our_zeropowers(optimizer, G: torch.Tensor, ns_dtype: torch.dtype,
+                    compiled_reference: bool) -> dict[str, Callable[[], object]]:
+    """Our five steps on G in `ns_dtype`, by label: by every backend and by the automatic choice, and beside the
+    eager reference also its products alone, the Gram iteration and AOL with a step fewer."""
+    m, n = G.shape
+    ns_name = str(ns_dtype).removeprefix("torch.")
+    timed: dict[str, Callable[[], object]] = {
+        f"zeropower {ns_name} backend={backend}": functools.partial(optimizer.zeropower, G, 5, dtype=ns_dtype,
+                                                                    backend=backend)
+        for backend in _dispatch(optimizer).available_backends(ns_dtype, G.device)}
+    auto = f"zeropower {ns_name} auto ({optimizer.kernel_choice((m, n), ns_dtype, G.device)})"
+    timed[auto] = functools.partial(optimizer.zeropower, G, 5, dtype=ns_dtype)
+    if compiled_reference:
+        return timed
+    timed.update(_products_alone(optimizer, G.to(ns_dtype)))
+    picks = _ns_algorithm(optimizer, m, n, ns_dtype, G.device)
+    timed[f"zeropower {ns_name} algorithm=gram (auto would pick {picks})"] = functools.partial(
+        optimizer.zeropower, G, 5, dtype=ns_dtype, algorithm="gram")
+    return timed | _aol(optimizer, G, ns_dtype)
 
 
 def bench_buckets(optimizer, device: torch.device, ns_dtype: torch.dtype, repeats: int) -> list[Row]:
@@ -326,8 +340,7 @@ def bench_lone_matrices(optimizer, device: torch.device, ns_dtype: torch.dtype, 
     return rows
 
 
-def _aol_row(optimizer, G: torch.Tensor, ns_dtype: torch.dtype, case: str, flop: float, baseline: float,
-             repeats: int) -> Row:
+def _aol(optimizer, G: torch.Tensor, ns_dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     """AOL-preconditioned Newton-Schulz with one step fewer (4), standard algorithm, with both iterations' distance
     from the SVD polar factor (spectral norm) in the label: the issue's target is equal or better at 4 steps."""
     u, _, vh = torch.linalg.svd(G.double().cpu(), full_matrices=False)
@@ -337,11 +350,10 @@ def _aol_row(optimizer, G: torch.Tensor, ns_dtype: torch.dtype, case: str, flop:
         out = optimizer.zeropower(G, steps, dtype=ns_dtype, algorithm="standard", preconditioner=preconditioner)
         return torch.linalg.matrix_norm(out.double().cpu() - truth, ord=2).item()
 
-    ms = median_ms(lambda: optimizer.zeropower(G, 4, dtype=ns_dtype, algorithm="standard", preconditioner="aol"),
-                   G.device, repeats)
     label = (f"zeropower {str(ns_dtype).removeprefix('torch.')} preconditioner=aol, 4 steps (polar error "
              f"{polar_error(4, 'aol'):.3f}; 5 plain steps {polar_error(5, None):.3f})")
-    return Row("zeropower", case, label, ms, flop, baseline)
+    return {label: functools.partial(optimizer.zeropower, G, 4, dtype=ns_dtype, algorithm="standard",
+                                     preconditioner="aol")}
 
 
 def _polar_express(optimizer) -> list[tuple[float, float, float]]:
@@ -355,10 +367,9 @@ def _ns_algorithm(optimizer, m: int, n: int, ns_dtype: torch.dtype, device: torc
     return module.resolve_algorithm("auto", sorted((m, n)), 5, ns_dtype, device.type)
 
 
-def _auto_and_products_alone_rows(optimizer, auto: Callable[[], object], auto_label: str, G: torch.Tensor, case: str,
-                                  flop: float, baseline: float, repeats: int) -> list[Row]:
-    """zeropower's automatic path and, side by side with it, that path's three products per step (X Xᵀ, bA + cA²,
-    aX + B X) with its Polar Express coefficients, each step on the last one's result as in the iteration, and
+def _products_alone(optimizer, G: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """zeropower's automatic path's three products per step (X Xᵀ, bA + cA², aX + B X) on G (in the iteration's
+    dtype) with its Polar Express coefficients, each step on the last one's result as in the iteration, and
     nothing else: the floor zeropower's own time is compared with (goal: within 1.15x of it). The iteration's own
     matrices are the ones to time: the same products on one fixed matrix ran 3-5% faster (2-core Xeon with AMX)."""
     dispatch = _dispatch(optimizer)
@@ -374,33 +385,34 @@ def _auto_and_products_alone_rows(optimizer, auto: Callable[[], object], auto_la
             polynomial = dispatch.symmetric_polynomial(gram, b, c, backend)
             Y = torch.addmm(Y, polynomial, Y, beta=a)
 
-    auto_ms, alone_ms = paired_medians_ms([auto, products], G.device, repeats)
-    alone_label = f"its products alone {str(G.dtype).removeprefix('torch.')} ({backend})"
-    return [Row("zeropower", case, auto_label, auto_ms, flop, baseline),
-            Row("zeropower", case, alone_label, alone_ms, flop, baseline)]
+    return {f"its products alone {str(G.dtype).removeprefix('torch.')} ({backend})": products}
 
 
-def _emerging_newton_schulz_rows(G: torch.Tensor, case: str, flop: float, baseline: float, repeats: int) -> list[Row]:
+def _emerging_newton_schulz(G: torch.Tensor) -> dict[str, Callable[[], object]]:
     """NVIDIA Emerging-Optimizers' newton_schulz in bf16 (float32 matmul precision "medium", as its docs say), with
-    cuBLAS and, where its Triton SYRK runs, with `use_syrk` (2D only). Skipped if the package is not installed."""
+    cuBLAS and, where its Triton SYRK runs, with `use_syrk` (2D only). Nothing if the package is not installed."""
     try:
         from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
     except ImportError:
-        return []
-    rows = []
+        return {}
+    timed: dict[str, Callable[[], object]] = {}
+    for use_syrk in (False, True):
+        if use_syrk and min(G.shape) not in EMERGING_SYRK_SIZES:
+            continue  # its autotuner compiles 18 to 180 configs per new size: a few sizes only
+        label = "emerging-optimizers newton_schulz bf16" + (" use_syrk" if use_syrk else "")
+        timed[label] = functools.partial(_at_medium_precision, newton_schulz, G, 5, coefficient_type="polar_express",
+                                         use_syrk=use_syrk)
+    return timed
+
+
+def _at_medium_precision(fn: Callable[..., torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
+    """fn's call with float32 matmul precision "medium", the previous precision restored after."""
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")
     try:
-        for use_syrk in (False, True):
-            if use_syrk and min(G.shape) not in EMERGING_SYRK_SIZES:
-                continue  # its autotuner compiles 18 to 180 configs per new size: a few sizes only
-            ms = median_ms(lambda: newton_schulz(G, 5, coefficient_type="polar_express", use_syrk=use_syrk),
-                           G.device, repeats)
-            label = "emerging-optimizers newton_schulz bf16" + (" use_syrk" if use_syrk else "")
-            rows.append(Row("zeropower", case, label, ms, flop, baseline))
+        return fn(*args, **kwargs)
     finally:
         torch.set_float32_matmul_precision(previous)
-    return rows
 
 
 def _step_params(device: torch.device, matrix_shapes: list[tuple[int, int]], vector_sizes: list[int],

@@ -89,3 +89,33 @@ def test_bucket_rows_run_the_iteration_the_optimizer_runs_on_those_stacks(monkey
     assert benched == stepped and set(stepped.values()) == {"gram", "standard"}
     assert all(f"{benched[(batch, m, n)]} iteration" in row.case for row, (batch, m, n) in
                zip(rows[::len(rows) // 2], bench.GPT2_BUCKETS))
+
+
+def test_the_gram_and_zeropower_rows_of_a_shape_are_timed_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each row was a median of its own, taken after the row before it, where the header says the ratios are measured
+    # side by side: a machine that slowed down part way slowed some rows of a shape only.
+    rounds: list[int] = []
+    alone: list[float] = []
+
+    def paired(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
+        called_once(fns, device, repeats)
+        rounds.append(len(fns))
+        return [float(len(rounds))] * len(fns)  # one time for the whole call: its rows then share it
+
+    def timed_alone(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+        fn()
+        alone.append(100.0 + len(alone))  # a time of its own
+        return alone[-1]
+
+    monkeypatch.setattr(bench, "paired_medians_ms", paired)
+    monkeypatch.setattr(bench, "median_ms", timed_alone)
+    rows = bench.bench_gram(optimizer, CPU, torch.float32, [(16, 24), (24, 16)], repeats=1)
+    rows += bench.bench_zeropower(optimizer, CPU, [torch.float32], torch.float32, [(16, 24)], repeats=1,
+                                  compiled_reference=False)
+    shapes: dict[tuple[str, str], list[bench.Row]] = {}
+    for row in rows:
+        shapes.setdefault((row.section, row.case), []).append(row)
+    assert len(shapes) == 3
+    for of_shape in shapes.values():
+        assert len({(row.ms, row.baseline_ms) for row in of_shape}) == 1, [row.path for row in of_shape]
+    assert sorted(map(len, shapes.values())) == sorted(rounds)
