@@ -945,7 +945,9 @@ def render(rows: list[Row], header: list[str], notes: list[str] = ()) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5,
-                        help="timed runs per row on CPU (GPU: do_bench's own, GPU_ROUNDS times for paired rows)")
+                        help="timed rounds per row on CPU (rows of millisecond steps take 20x as many, the AdamW "
+                             "part 3x, the dist rows max(3, repeats // 2)); GPU: do_bench's own, GPU_ROUNDS times "
+                             "for paired rows")
     parser.add_argument("--sections", default="gram,zeropower,step,dist", help="comma-separated subset to run")
     parser.add_argument("--dist-blocks", type=int, default=2, help="GPT-2 small blocks in the dist section")
     parser.add_argument("--emulated-peers", action="store_true",

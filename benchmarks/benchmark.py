@@ -192,7 +192,9 @@ class MuonStep(Benchmark):
     """One `optimizer.Muon.step()` against `torch.optim.Muon` (the matrices) + `torch.optim.AdamW(fused=True)` (the
     vectors), on identical copies of the same parameters and gradients with the same hyperparameters (momentum 0.95,
     Nesterov, 5 steps and eps 1e-7 are both sides' defaults). Newton-Schulz runs in each side's default dtype:
-    torch.optim.Muon's is always bfloat16; ours is bfloat16 on GPUs and AMX CPUs, float32 on other CPUs.
+    torch.optim.Muon's is always bfloat16; ours is `default_ns_dtype(device)`'s (bfloat16 on GPUs from compute
+    capability 8.0, on CPUs with AMX and on AMD CPUs with AVX512-BF16; float16 on older GPUs; float32 on other
+    CPUs).
 
     Each call, timed or not, restores the parameters (one copy of the flat buffer that holds them, on both sides)
     and steps. The gradients stay fixed, so every step of either optimizer computes the same update: Muon

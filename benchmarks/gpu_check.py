@@ -2,11 +2,13 @@
 `Muon.step()` against `torch.optim.Muon` and three steps of the AdamW part against fused `torch.optim.AdamW` on the
 same GPU. Needs a CUDA device and `make build` (or tools/build.py).
 
-Each row but the AdamW ones (held to torch's fused kernel) compares a result with the same computation in float64
-from the same stored inputs, by ||out - ref|| / ||ref||, and beside it cuBLAS's own error in the same dtype (`torch`
-backend): a backend passes when its error is within 2x cuBLAS's (plus one unit roundoff), so the bar is set by a
-library nobody here wrote, not by a number picked to pass; a symmetric kernel's output must also be symmetric bit for
-bit.
+The products' and Newton-Schulz rows compare a result with the same computation in float64 from the same stored
+inputs, by ||out - ref|| / ||ref||, and beside it cuBLAS's own error in the same dtype (`torch` backend): a backend
+passes when its error is within 2x cuBLAS's (plus one unit roundoff), so the bar is set by a library nobody here
+wrote, not by a number picked to pass; a symmetric kernel's output must also be symmetric bit for bit. Three kinds of
+row have other references and fixed bounds: the polar factor against the SVD's U Vᵀ (3e-2: ten bf16 steps from a
+spectrum in [0.1, 1]), the Muon step against torch.optim.Muon's bf16 step (2e-2: bf16 resolution), and the AdamW
+part against torch's fused AdamW (3 unit roundoffs of the dtype).
 Writes a markdown table; exits 1 if any row fails.
 """
 
@@ -225,7 +227,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     header = [f"# GPU correctness: {props.name} (sm_{props.major}{props.minor}), {datetime.date.today()}", "",
               f"torch {torch.__version__}, CUDA {torch.version.cuda}", *(f"- {line}" for line in load_lines), "",
-              "| what | case | backend | rel. error vs float64 | bound | |", "| --- | --- | --- | --- | --- | --- |"]
+              "| what | case | backend | rel. error vs its reference | bound | |", "| --- | --- | --- | --- | --- | --- |"]
     table = "\n".join(header + ["| " + " | ".join(c.cells()) + " |" for c in checks]) + "\n"
     failed = [c for c in checks if not c.ok]
     table += f"\n{len(checks) - len(failed)} of {len(checks)} checks pass.\n"
