@@ -58,6 +58,21 @@ def test_default_groups_send_embeddings_head_norms_biases_to_adamw() -> None:
     assert len(found) == sum(1 for _ in TinyLM().named_parameters())
 
 
+@pytest.mark.parametrize("name", ["lm_head", "output", "head", "classifier"])
+def test_a_linear_named_as_a_head_goes_to_adamw(name: str) -> None:
+    # README: the output head is "a Linear named lm_head/output/head/classifier, one tied to an embedding, or the
+    # last Linear whose output size is a vocabulary size": here only its name says so (no embedding, and a Linear
+    # after it), nested in a submodule.
+    model = nn.Module()
+    model.body = nn.Linear(16, 32)
+    model.top = nn.Module()
+    model.top.add_module(name, nn.Linear(32, 10))
+    model.after = nn.Linear(10, 12)
+    found = roles(model)
+    assert found[f"top.{name}.weight"] == (False, None, None)
+    assert found["body.weight"] == (True, None, None) and found["after.weight"] == (True, None, None)
+
+
 @pytest.mark.parametrize("conv", [nn.Conv1d(64, 64, 1, groups=64), nn.Conv1d(512, 512, 3, groups=512),
                                   nn.ConvTranspose1d(64, 64, 1, groups=64)], ids=["depthwise-k1", "aspect-171", "T"])
 def test_a_degenerate_conv1d_weight_goes_to_adamw(conv: nn.Module) -> None:
@@ -183,6 +198,18 @@ def test_overrides_reach_every_group_and_the_optimizer_accepts_them() -> None:
     decays = sorted(group["adamw_weight_decay"] for group in groups if group["use_muon"] is False)
     assert decays == [0.0, 0.3]
     optimizer.Muon(groups)
+
+
+@pytest.mark.parametrize("shape, to_muon", [((2, 256), True), ((256, 2), True), ((2, 257), False), ((257, 2), False),
+                                            ((3, 2, 256), True), ((3, 2, 257), False)])
+def test_shape_routing_takes_aspect_ratios_up_to_128(shape: tuple[int, ...], to_muon: bool) -> None:
+    # README: "a parameter goes to Muon when its matrices have both sides at least 2 and an aspect ratio of at most
+    # 128"; 128 itself is in, either way round.
+    param = torch.randn(shape)
+    param.grad = torch.ones_like(param)
+    opt = optimizer.Muon([param])
+    opt.step()
+    assert ("momentum_buffer" in opt.state[param]) == to_muon
 
 
 def test_shape_routing_without_groups() -> None:
