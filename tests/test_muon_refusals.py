@@ -240,7 +240,8 @@ def test_a_dtype_products_cannot_run_in_is_refused(option: str) -> None:
                                             ({"betas": (0.8, 0.9)}, {"adamw_betas": (0.8, 0.9)}),
                                             ({"fallback_lr_scale": 0.5}, {"adamw_lr_scale": 0.5}),
                                             ({"adamw_lr": 0.01}, {"adamw_lr_scale": 0.5}),
-                                            ({"algo": "adamuon"}, {"normalization": "element"})])
+                                            ({"algo": "adamuon"}, {"normalization": "element"}),
+                                            ({"adjust_lr_fn": "rms_to_rms"}, {"adjust_lr_fn": "spectral"})])
 def test_a_group_key_set_between_steps_means_what_it_means_where_groups_enter(spelling: dict[str, Any],
                                                                               ours: dict[str, Any]) -> None:
     # Set between steps, a None stood refused ("Invalid adamw_betas: None"), and timm's keys and adamw_lr were kept
