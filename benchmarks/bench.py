@@ -310,15 +310,14 @@ def bench_buckets(optimizer, device: torch.device, ns_dtype: torch.dtype, repeat
     for shape in GPT2_BUCKETS:
         G = torch.randn(shape, device=device, dtype=ns_dtype)
         algorithm = _ns_algorithm(optimizer, shape[1], shape[2], ns_dtype, device)
-        runs = [lambda backend=backend: module.newton_schulz(G.clone(), coefficients, 1e-7, backend, ns_dtype,
-                                                             algorithm, overwrite_input=True, workspace=workspace)
-                for backend in backends]
-        times = paired_medians_ms(runs, device, repeats)
-        case = f"GPT-2 bucket {shape} {str(ns_dtype).removeprefix('torch.')} 5 steps, {algorithm} iteration"
-        flop = shape[0] * newton_schulz_flop(shape[1], shape[2], 5)
         auto = optimizer.kernel_choice(shape, ns_dtype, device)
-        rows += [Row("zeropower", case, f"stack backend={backend}" + (" (auto)" if backend == auto else ""), ms, flop,
-                     times[0]) for backend, ms in zip(backends, times)]
+        runs = {f"stack backend={backend}" + (" (auto)" if backend == auto else ""):
+                lambda backend=backend: module.newton_schulz(G.clone(), coefficients, 1e-7, backend, ns_dtype,
+                                                             algorithm, overwrite_input=True, workspace=workspace)
+                for backend in backends}
+        case = f"GPT-2 bucket {shape} {str(ns_dtype).removeprefix('torch.')} 5 steps, {algorithm} iteration"
+        rows += side_by_side("zeropower", case, runs, shape[0] * newton_schulz_flop(shape[1], shape[2], 5), device,
+                             repeats)
     return rows
 
 
@@ -331,12 +330,12 @@ def bench_lone_matrices(optimizer, device: torch.device, ns_dtype: torch.dtype, 
     for shape in [(10, 256), (128, 128), (128, 512), (192, 192), (224, 224), (256, 256)]:
         G = torch.randn(shape, device=device)
         chosen = optimizer.matrix_ns_dtype(ns_dtype, device, shape)
-        default, per_shape = paired_medians_ms([lambda: optimizer.zeropower(G, dtype=ns_dtype),
-                                                lambda: optimizer.zeropower(G)], device, 20 * repeats)
-        case, flop = f"lone {shape[0]}x{shape[1]}, 5 steps", newton_schulz_flop(*shape, 5)
-        rows += [Row("zeropower", case, f"dtype={str(ns_dtype).removeprefix('torch.')}", default, flop, default),
-                 Row("zeropower", case, f"dtype=None ({str(chosen).removeprefix('torch.')} at this shape)", per_shape,
-                     flop, default)]
+        runs = {f"dtype={str(ns_dtype).removeprefix('torch.')}": functools.partial(optimizer.zeropower, G,
+                                                                                   dtype=ns_dtype),
+                f"dtype=None ({str(chosen).removeprefix('torch.')} at this shape)": functools.partial(
+                    optimizer.zeropower, G)}
+        rows += side_by_side("zeropower", f"lone {shape[0]}x{shape[1]}, 5 steps", runs, newton_schulz_flop(*shape, 5),
+                             device, 20 * repeats)
     return rows
 
 
