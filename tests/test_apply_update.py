@@ -11,7 +11,8 @@ import torch
 from kernel_under_test import load_cpu_variant, load_fallback_variant, submodule
 
 PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-UPDATE_DTYPES = (torch.float32, torch.bfloat16)
+# float64: ns_dtype=torch.float64 orthogonalizes in double; torch's add_ adds such an update in double, rounding once.
+UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 # Odd sizes catch tail handling; 70001 elements is more than two parallel chunks (grain 32768) of the CPU op.
 SHAPES = ((7,), (33, 17), (70001,))
 
@@ -58,6 +59,8 @@ def test_equals_foreach_mul_then_add(native, dtype: torch.dtype, update_dtype: t
 @pytest.mark.parametrize("dtype", PARAM_DTYPES, ids=str)
 def test_within_two_roundings_of_float64(native, dtype: torch.dtype, update_dtype: torch.dtype) -> None:
     # Tensor step sizes too (lr schedules, the RMS rule): the fallback multiplies them in with addcmul_.
+    if dtype == update_dtype == torch.float64:
+        pytest.skip("the float64 reference rounds step * update as the result does: no truth to bound it by")
     params, updates = _tensors(dtype, update_dtype, seed=1)
     originals = [param.to(torch.float64, copy=True) for param in params]
     decay = torch.tensor([0.9, 0.99, 1.0], dtype=torch.promote_types(dtype, torch.float32))  # as decay_factors makes

@@ -4,6 +4,7 @@
 // copy, faulted in, for each matrix).
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -21,6 +22,12 @@ using muon_cpu::kGrainSize;
 using muon_cpu::store;
 using muon_cpu::kTile;
 
+// The type torch's add_ computes param + step * update in: the opmath type of the two dtypes' common one, so a float64
+// update of a float32 parameter (ns_dtype=torch.float64) is added in double, its step size too, and rounded once.
+template <typename param_t, typename update_t>
+using add_math_t = std::conditional_t<std::is_same_v<param_t, double> || std::is_same_v<update_t, double>, double,
+                                      at::opmath_type<param_t>>;
+
 // param <- param * decay, rounded to its dtype, then <- param + step * update, rounded again: what `mul_` then
 // `add_(update, alpha=step)` compute, the second with one fused multiply-add as torch's vectorized add does. Written
 // as std::fma, not left to contraction, which could as well fuse the decay's product and skip its rounding; the
@@ -28,11 +35,12 @@ using muon_cpu::kTile;
 // kStreamed: both stream from memory (not a tile of the update in cache), and are prefetched ahead of their reads.
 template <bool kStreamed, typename param_t, typename update_t>
 MUON_VECTOR_CLONES void apply_range(param_t* __restrict__ param, const update_t* __restrict__ update, int64_t count,
-                                    at::opmath_type<param_t> decay, at::opmath_type<param_t> step) {
+                                    at::opmath_type<param_t> decay, add_math_t<param_t, update_t> step) {
   using opmath_t = at::opmath_type<param_t>;
+  using add_t = add_math_t<param_t, update_t>;
   const auto apply = [&](int64_t j) {
     const opmath_t decayed = store(param + j, static_cast<opmath_t>(param[j]) * decay);
-    store(param + j, std::fma(step, static_cast<opmath_t>(muon_cpu::widen(update[j])), decayed));
+    store(param + j, std::fma(step, static_cast<add_t>(muon_cpu::widen(update[j])), static_cast<add_t>(decayed)));
   };
   if constexpr (kStreamed) {
     muon_cpu::for_each_prefetched<param_t>(count, apply, update, param);
@@ -49,22 +57,22 @@ MUON_VECTOR_CLONES void apply_range(param_t* __restrict__ param, const update_t*
 template <typename param_t, typename update_t>
 MUON_VECTOR_CLONES void apply_transposed_tile(param_t* param, const update_t* update,
                                               const muon_cpu::TransposedTiles& tiles, int64_t tile,
-                                              at::opmath_type<param_t> decay, at::opmath_type<param_t> step) {
-  using opmath_t = at::opmath_type<param_t>;
+                                              at::opmath_type<param_t> decay, add_math_t<param_t, update_t> step) {
+  using add_t = add_math_t<param_t, update_t>;
   const muon_cpu::TilePlace place(tiles, tile);
   param += place.matrix_offset;
   update += place.matrix_offset;
-  alignas(64) opmath_t read[kTile][kTile];  // [col][row]: the update's layout
+  alignas(64) add_t read[kTile][kTile];  // [col][row]: the update's layout
   if (place.partial()) {
     std::memset(read, 0, sizeof(read));
   }
   for (int64_t col = 0; col < place.col_count; ++col) {
     const update_t* source = update + (place.first_col + col) * tiles.rows + place.first_row;
     for (int64_t row = 0; row < place.row_count; ++row) {
-      read[col][row] = static_cast<opmath_t>(muon_cpu::widen(source[row]));
+      read[col][row] = static_cast<add_t>(muon_cpu::widen(source[row]));
     }
   }
-  alignas(64) opmath_t values[kTile][kTile];  // [row][col]: the parameter's
+  alignas(64) add_t values[kTile][kTile];  // [row][col]: the parameter's
   muon_cpu::transpose_tile(read, values);
   for (int64_t row = 0; row < place.row_count; ++row) {
     apply_range<false>(param + (place.first_row + row) * tiles.cols + place.first_col, values[row], place.col_count,
@@ -84,9 +92,9 @@ void apply_update_cpu(at::TensorList params, at::TensorList updates, const at::T
       using opmath_t = at::opmath_type<param_t>;
       auto* param = params[i].mutable_data_ptr<param_t>();
       const auto factor = static_cast<opmath_t>(decays[i]);
-      const auto step = static_cast<opmath_t>(steps[i]);
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, updates[i].scalar_type(), "apply_update_cpu", [&] {
         const auto* update = updates[i].const_data_ptr<scalar_t>();
+        const auto step = static_cast<add_math_t<param_t, scalar_t>>(steps[i]);
         if (updates[i].is_contiguous()) {
           at::parallel_for(0, params[i].numel(), kGrainSize, [&](int64_t begin, int64_t end) {
             apply_range<true>(param + begin, update + begin, end - begin, factor, step);
