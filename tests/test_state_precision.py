@@ -189,13 +189,16 @@ def test_training_stays_near_the_float32_state_run(state_dtype, tolerance: float
         assert (param - reference).abs().max() < tolerance * reference.abs().max()
 
 
+@pytest.mark.parametrize("build", ["compiled", "fallback"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
-def test_adamw_steps_stay_bounded_when_a_block_spans_many_magnitudes(state_dtype) -> None:
+def test_adamw_steps_stay_bounded_when_a_block_spans_many_magnitudes(state_dtype, build: str) -> None:
     # Gradients of 1e3 beside 1e-2 in one block: the small entries' second moments fall below the smallest 8-bit
     # code (relative to the block's largest) and round to zero now and then; their first moments must then not
-    # step by m / eps. An AdamW step moves an entry by about lr at most, and at most ~lr * 3 here.
+    # step by m / eps. An AdamW step moves an entry by about lr at most, and at most ~lr * 3 here. The fallback
+    # build (as GPUs) steps the moments through torch's fused AdamW, the compiled one through its own op.
+    package = optimizer if build == "compiled" else load_fallback_variant()
     param = torch.zeros(4, 512)
-    opt = Muon([dict(params=[param], use_muon=False)], lr=0.01, weight_decay=0.0, state_dtype=state_dtype)
+    opt = package.Muon([dict(params=[param], use_muon=False)], lr=0.01, weight_decay=0.0, state_dtype=state_dtype)
     grad = torch.full((4, 512), 1e-2)
     grad[:, ::256] = 1e3
     for _ in range(30):
@@ -239,15 +242,21 @@ def test_adamw_in_small_chunks_equals_adamw_in_one(state_dtype, monkeypatch: pyt
         assert torch.equal(chunked_state[key], value), key
 
 
+# float64 parameters' rounded moments step through torch's fused AdamW (on float64 copies), float32 ones through the
+# compiled op: each path leaves a skipped parameter, its moments and its counts as they were.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
-def test_a_nonfinite_gradient_changes_no_state(state_dtype) -> None:
-    param = torch.randn(12, 16)
+def test_a_nonfinite_gradient_changes_no_state(state_dtype, dtype: torch.dtype) -> None:
+    param = torch.randn(12, 16, dtype=dtype)
     opt = train(param, 2, state_dtype=state_dtype)
     before = [{key: value.clone() for key, value in opt.state[p].items()} for p in all_params(opt)]
+    params_before = [p.clone() for p in all_params(opt)]
     for p in all_params(opt):
-        p.grad = torch.randn(p.shape)
+        p.grad = torch.randn(p.shape, dtype=dtype)
         p.grad[0, ...] = float("nan")  # in one block of each tensor: no other block, no scale may change
     opt.step()
+    for p, start in zip(all_params(opt), params_before):
+        assert torch.equal(p, start)
     for p, saved in zip(all_params(opt), before):
         for key, value in saved.items():
             if key != "nonfinite_skips":  # which counts this step
