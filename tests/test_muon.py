@@ -354,6 +354,41 @@ def test_a_step_count_set_by_hand_in_another_dtype_steps_as_torch_adamw_steps_it
     assert opt.state[ours[1]]["step"].dtype == torch.float32 and opt.state[ours[1]]["step"].item() == 1
 
 
+def test_a_bfloat16_parameters_count_loaded_past_256_counts_on_as_torch_adamws() -> None:
+    """bfloat16 holds whole numbers exactly only up to 256 (301 + 1 rounds back to 300): AdamW's count is float32,
+    as torch's, whatever the parameter's dtype, also where a checkpoint brings it."""
+    ours = [torch.randn(40, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)]
+    theirs = [ours[0].clone()]
+    opt = Muon([dict(params=ours, use_muon=False)], lr=0.01, adamw_lr=ADAMW_SETTINGS["lr"],
+               adamw_betas=ADAMW_SETTINGS["betas"], adamw_eps=ADAMW_SETTINGS["eps"],
+               adamw_weight_decay=ADAMW_SETTINGS["weight_decay"])
+    reference = torch.optim.AdamW(theirs, fused=True, **ADAMW_SETTINGS)
+    for step in range(4):
+        seeded_grads(ours, step)
+        seeded_grads(theirs, step)
+        if step == 1:
+            for optimizer_ in (opt, reference):
+                saved = optimizer_.state_dict()
+                saved["state"][0]["step"] = torch.tensor(301.0)
+                optimizer_.load_state_dict(saved)
+        opt.step()
+        reference.step()
+    assert opt.state[ours[0]]["step"].dtype == torch.float32 and opt.state[ours[0]]["step"].item() == 304
+    torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0)
+
+
+def test_adamw_update_refuses_flags_of_another_length_and_changes_nothing() -> None:
+    """The functional AdamW (the offload and distributed steps call it with their own flags) takes one skip flag
+    per parameter: two flags for one parameter would skip or step it by the wrong one."""
+    tensors = [torch.randn(8), torch.randn(8), torch.randn(8), torch.rand(8), torch.tensor(3.0),
+               torch.zeros((), dtype=torch.int64)]
+    item = functional.AdamWTensors(*(tensor.clone() for tensor in tensors))
+    with pytest.raises(ValueError, match=r"found_inf has shape \(2,\) for 1 parameters"):
+        functional.adamw_update([item], torch.zeros(2), lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for value, start in zip(vars(item).values(), tensors):
+        assert torch.equal(value, start)
+
+
 def test_momentum_set_by_hand_in_its_parameters_layout_steps_as_contiguous_momentum() -> None:
     """`state[w]["momentum_buffer"] = torch.zeros_like(w)` for a channels_last conv weight is channels_last: the
     momentum op refused it, after the groups before it had been updated."""

@@ -165,6 +165,13 @@ def test_timm_algo_adamuon_is_element_normalization() -> None:
     assert opt.param_groups[0]["normalization"] == "element" and "algo" not in opt.param_groups[0]
     assert torch.equal(ours, timms)
     assert Muon([torch.randn(4, 8)], algo="muon").param_groups[0]["normalization"] is None
+    # timm's algo="muon" is no normalization, also in a group beside a default of "element", and set between steps.
+    assert Muon([dict(params=[torch.randn(4, 8)], algo="muon")],
+                normalization="element").param_groups[0]["normalization"] is None
+    opt.param_groups[0]["algo"] = "muon"
+    timms.grad = grads[0]
+    opt.step()
+    assert opt.param_groups[0]["normalization"] is None and "algo" not in opt.param_groups[0]
 
 
 def test_bad_normalization_options_are_refused_before_anything_changes() -> None:
