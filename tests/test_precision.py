@@ -208,6 +208,29 @@ def test_an_explicit_slow_dtype_is_honoured_and_warns_once(monkeypatch: pytest.M
         assert f"ns_dtype={dtype} on cpu" in messages[0] and f"would use {faster}" in messages[0]
 
 
+@pytest.mark.parametrize("dtype, units, warns", [
+    (torch.float16, (), True), (torch.bfloat16, (), True), (torch.bfloat16, ("avx512_bf16",), False),
+    (torch.float32, (), False)])
+def test_zeropowers_explicit_slow_dtype_warns_once_as_ns_dtype_does(monkeypatch: pytest.MonkeyPatch,
+                                                                     dtype: torch.dtype, units: tuple[str, ...],
+                                                                     warns: bool) -> None:
+    fake_cpu(monkeypatch, *units)
+    matrix = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    for attempt in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = optimizer.zeropower(matrix, dtype=dtype)
+            optimizer.zeropower(matrix)  # the default never warns
+        assert result.dtype == matrix.dtype and torch.isfinite(result).all()
+        messages = [str(warning.message) for warning in caught if warning.category is UserWarning]
+        if not warns or attempt == 1:
+            assert messages == []
+            continue
+        assert len(messages) == 1 and caught[0].filename == __file__  # pointed at the caller, not at torch.no_grad
+        assert f"dtype={dtype} on cpu" in messages[0] and "ns_dtype" not in messages[0]
+        assert f"dtype=None would use {optimizer.default_ns_dtype('cpu')}" in messages[0]
+
+
 def test_adamw_only_groups_do_not_warn(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_cpu(monkeypatch)
     with warnings.catch_warnings():

@@ -12,7 +12,7 @@ from torch import Tensor
 from .coefficients import Coefficients, resolve_coefficients
 from .dispatch import check_backend, matmul, resolve_backend, symmetric_gram, symmetric_polynomial
 from .option_values import check_float_dtype, check_ns_steps, overflowed_to_infinity
-from .precision import default_ns_dtype, matrix_ns_dtype, without_autocast
+from .precision import default_ns_dtype, matrix_ns_dtype, warn_if_slow, without_autocast
 from .workspace import Workspace
 
 NS_ALGORITHMS: tuple[str, ...] = ("standard", "gram", "auto")
@@ -44,10 +44,13 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     step (see `aol_scaled`), and the "polar_express" preset then assumes it (`resolve_coefficients`).
     `safety_factor` (>= 1) and `scale_eps` change the initial scaling as timm's options do (see `newton_schulz`). The
     result has G's shape and dtype. Computed without autograd (its products write into reused buffers), whether G
-    requires grad or not, and in `dtype` inside a `torch.autocast` region too.
+    requires grad or not, and in `dtype` inside a `torch.autocast` region too. A `dtype` this device multiplies far
+    slower than the default (bf16 or fp16 on a CPU without their matrix instructions) is honoured and warns once, as
+    the optimizer's ns_dtype does.
     """
     _check_matrix(G)
     steps = check_ns_steps(steps, "steps")
+    explicit_dtype = dtype is not None
     if dtype is None:
         dtype = matrix_ns_dtype(default_ns_dtype(G.device), G.device, G.shape)
     check_float_dtype("dtype", dtype)
@@ -64,6 +67,8 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     if not isinstance(scale_eps, bool):
         raise ValueError(f"Invalid scale_eps: {scale_eps!r} (expected True or False)")
     schedule = resolve_coefficients(coefficients, steps, preconditioner)
+    if explicit_dtype:
+        warn_if_slow(dtype, G.device, "dtype")
     staged = G.to(staging_dtype(dtype, G.dtype))
     return newton_schulz(staged, schedule, eps, backend, dtype, algorithm, preconditioner, safety_factor, scale_eps,
                          overwrite_input=staged is not G).to(G.dtype)

@@ -185,25 +185,30 @@ def slow_dtype_reason(dtype: torch.dtype, device: torch.device | str) -> str | N
 _warned: set[tuple[torch.dtype, str]] = set()
 
 
-def warn_if_slow(dtype: torch.dtype, device: torch.device | str) -> None:
-    """Once per dtype and device type: an explicit ns_dtype that this device multiplies far slower than the
-    default. It is still honoured; the warning names the faster choice."""
+def warn_if_slow(dtype: torch.dtype, device: torch.device | str, option: str = "ns_dtype") -> None:
+    """Once per dtype and device type: an explicit `option` (the optimizer's ns_dtype, zeropower's dtype) that this
+    device multiplies far slower than the default. It is still honoured; the warning names the faster choice."""
     device = torch.device(device)
     reason = slow_dtype_reason(dtype, device)
     if reason is None or (dtype, device.type) in _warned:
         return
     _warned.add((dtype, device.type))
     faster = ns_dtype_choice(device)
-    warnings.warn(f"ns_dtype={dtype} on {device.type}: {reason}. It is used as asked; ns_dtype=None would use "
+    warnings.warn(f"{option}={dtype} on {device.type}: {reason}. It is used as asked; {option}=None would use "
                   f"{faster.dtype} here: {faster.reason}.", UserWarning, stacklevel=_user_stacklevel())
 
 
 def _user_stacklevel() -> int:
-    """The stacklevel of the first caller outside this package and torch.optim (Muon(...) or add_param_group)."""
+    """The stacklevel of the first caller outside this package and torch (Muon(...) or add_param_group through
+    torch.optim, zeropower through torch.no_grad's wrapper)."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_globals.get("__name__", "").startswith((__package__, "torch.optim")):
+    while frame is not None and _inside_the_library(frame.f_globals.get("__name__", "")):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _inside_the_library(module: str) -> bool:
+    return module == "torch" or module.startswith((__package__, "torch."))
 
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
