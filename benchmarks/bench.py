@@ -141,6 +141,11 @@ def paired_times_ms(fns: list[Callable[[], object]], repeats: int) -> list[list[
     return times
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as labels print it: "bfloat16", not "torch.bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def gram_flop(m: int, k: int) -> float:
     return 2.0 * m * m * k
 
@@ -178,7 +183,7 @@ def bench_gram(optimizer, device: torch.device, dtype: torch.dtype, shapes: list
         if device.type == "cuda" and dtype == torch.bfloat16 and m == k and m in EMERGING_SYRK_SIZES:
             timed.update(_emerging_syrk(X))
         timed[f"gram auto ({optimizer.kernel_choice((m, m), dtype, device)})"] = functools.partial(optimizer.gram, X)
-        rows += side_by_side("gram", f"{m}x{k} {str(dtype).removeprefix('torch.')}", timed, gram_flop(m, k), device,
+        rows += side_by_side("gram", f"{m}x{k} {dtype_name(dtype)}", timed, gram_flop(m, k), device,
                              repeats)
     return rows
 
@@ -255,9 +260,9 @@ def bench_zeropower(optimizer, device: torch.device, ns_dtypes: list[torch.dtype
     reference = _zeropower_via_newtonschulz
     if compiled_reference:
         reference = torch.compile(_zeropower_via_newtonschulz)
-    dtype_name = str(torch_dtype).removeprefix("torch.")
-    name = f"torch.compile(torch.optim.Muon NS) {dtype_name}" if compiled_reference else \
-        f"torch.optim.Muon NS {dtype_name}"
+    torch_name = dtype_name(torch_dtype)
+    name = f"torch.compile(torch.optim.Muon NS) {torch_name}" if compiled_reference else \
+        f"torch.optim.Muon NS {torch_name}"
     for m, n in shapes:
         G = torch.randn(m, n, device=device)
         timed: dict[str, Callable[[], object]] = {
@@ -281,7 +286,7 @@ def _our_zeropowers(optimizer, G: torch.Tensor, ns_dtype: torch.dtype,
     """Our five steps on G in `ns_dtype`, by label: by every backend and by the automatic choice, and beside the
     eager reference also its products alone, the Gram iteration and AOL with a step fewer."""
     m, n = G.shape
-    ns_name = str(ns_dtype).removeprefix("torch.")
+    ns_name = dtype_name(ns_dtype)
     timed: dict[str, Callable[[], object]] = {
         f"zeropower {ns_name} backend={backend}": functools.partial(optimizer.zeropower, G, 5, dtype=ns_dtype,
                                                                     backend=backend)
@@ -315,7 +320,7 @@ def bench_buckets(optimizer, device: torch.device, ns_dtype: torch.dtype, repeat
                 lambda backend=backend: module.newton_schulz(G.clone(), coefficients, 1e-7, backend, ns_dtype,
                                                              algorithm, overwrite_input=True, workspace=workspace)
                 for backend in backends}
-        case = f"GPT-2 bucket {shape} {str(ns_dtype).removeprefix('torch.')} 5 steps, {algorithm} iteration"
+        case = f"GPT-2 bucket {shape} {dtype_name(ns_dtype)} 5 steps, {algorithm} iteration"
         rows += side_by_side("zeropower", case, runs, shape[0] * newton_schulz_flop(shape[1], shape[2], 5), device,
                              repeats)
     return rows
@@ -325,15 +330,17 @@ def bench_lone_matrices(optimizer, device: torch.device, ns_dtype: torch.dtype, 
     """Five Newton-Schulz steps on single small matrices in the device's default dtype (16-bit here) against
     ns_dtype=None, which iterates those below `small_matrix_macs()` multiply-adds a product in float32 (2^23 on CPUs
     with AMX, 2^22 with AVX512-BF16: `matrix_ns_dtype`), side by side: the MNIST MLP's 10x256 classifier and shapes
-    on both sides of each line."""
+    on both sides of each line. Each runs the iteration the optimizer's ns_algorithm="auto" picks for its dtype (a
+    wide float32 matrix takes the Gram one where float32 is not the default), named in its label."""
     rows = []
     for shape in [(10, 256), (128, 128), (128, 512), (192, 192), (224, 224), (256, 256)]:
         G = torch.randn(shape, device=device)
         chosen = optimizer.matrix_ns_dtype(ns_dtype, device, shape)
-        runs = {f"dtype={str(ns_dtype).removeprefix('torch.')}": functools.partial(optimizer.zeropower, G,
-                                                                                   dtype=ns_dtype),
-                f"dtype=None ({str(chosen).removeprefix('torch.')} at this shape)": functools.partial(
-                    optimizer.zeropower, G)}
+        iterations = {dtype: _ns_algorithm(optimizer, *shape, dtype, device) for dtype in (ns_dtype, chosen)}
+        runs = {f"dtype={dtype_name(ns_dtype)}, {iterations[ns_dtype]}": functools.partial(
+                    optimizer.zeropower, G, dtype=ns_dtype, algorithm="auto"),
+                f"dtype=None ({dtype_name(chosen)}, {iterations[chosen]} at this shape)": functools.partial(
+                    optimizer.zeropower, G, algorithm="auto")}
         rows += side_by_side("zeropower", f"lone {shape[0]}x{shape[1]}, 5 steps", runs, newton_schulz_flop(*shape, 5),
                              device, 20 * repeats)
     return rows
@@ -349,7 +356,7 @@ def _aol(optimizer, G: torch.Tensor, ns_dtype: torch.dtype) -> dict[str, Callabl
         out = optimizer.zeropower(G, steps, dtype=ns_dtype, algorithm="standard", preconditioner=preconditioner)
         return torch.linalg.matrix_norm(out.double().cpu() - truth, ord=2).item()
 
-    label = (f"zeropower {str(ns_dtype).removeprefix('torch.')} preconditioner=aol, 4 steps (polar error "
+    label = (f"zeropower {dtype_name(ns_dtype)} preconditioner=aol, 4 steps (polar error "
              f"{polar_error(4, 'aol'):.3f}; 5 plain steps {polar_error(5, None):.3f})")
     return {label: functools.partial(optimizer.zeropower, G, 4, dtype=ns_dtype, algorithm="standard",
                                      preconditioner="aol")}
@@ -384,7 +391,7 @@ def _products_alone(optimizer, G: torch.Tensor) -> dict[str, Callable[[], object
             polynomial = dispatch.symmetric_polynomial(gram, b, c, backend)
             Y = torch.addmm(Y, polynomial, Y, beta=a)
 
-    return {f"its products alone {str(G.dtype).removeprefix('torch.')} ({backend})": products}
+    return {f"its products alone {dtype_name(G.dtype)} ({backend})": products}
 
 
 def _emerging_newton_schulz(G: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -469,7 +476,7 @@ def bench_step(optimizer, device: torch.device, torch_dtype: torch.dtype, repeat
         baseline, *ours_ms = paired_medians_ms([torch_stepping(theirs, torch_dtype), *steppers.values()], device,
                                                repeats)
         case = f"{name}, {len(matrices)} matrices + {len(vectors)} AdamW tensors"
-        rows += [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + "
+        rows += [Row("Muon.step", case, f"torch.optim.Muon ({dtype_name(torch_dtype)} NS) + "
                      "fused AdamW", baseline, flop, baseline)]
         rows += [Row("Muon.step", case, label, ms, flop, baseline) for label, ms in zip(steppers, ours_ms)]
         numel = sum(p.numel() for p in matrices + vectors)
@@ -572,7 +579,7 @@ def _small_model_rows(optimizer, device: torch.device, torch_dtype: torch.dtype,
                            for label in ("torch.optim.Muon + AdamW", "optimizer.Muon (defaults)"))
         baseline, eager = paired_medians_ms([torch_stepping(theirs, torch_dtype), ours.step], device, 20 * repeats)
         flop = copies * sum(newton_schulz_flop(*shape, 5) for shape in matrix_shapes)
-        rows += [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused "
+        rows += [Row("Muon.step", case, f"torch.optim.Muon ({dtype_name(torch_dtype)} NS) + fused "
                      "AdamW", baseline, flop, baseline),
                  Row("Muon.step", case, "optimizer.Muon (defaults)", eager, flop, baseline)]
     _, vectors = _step_params(device, [], narrow_vectors, GPT2_BLOCKS, [_narrowed(GPT2_EMBEDDING)])
@@ -608,7 +615,7 @@ def _layer_group_rows(optimizer, device: torch.device, torch_dtype: torch.dtype,
     case = (f"GPT-2 small's structure, every dim / {GPT2_STRUCTURE_WIDTH}, a param group per block (layer-wise lr "
             "decay)")
     flop = GPT2_BLOCKS * sum(newton_schulz_flop(*_narrowed(shape), 5) for shape in GPT2_SMALL_BLOCK)
-    return [Row("Muon.step", case, f"torch.optim.Muon ({str(torch_dtype).removeprefix('torch.')} NS) + fused AdamW, "
+    return [Row("Muon.step", case, f"torch.optim.Muon ({dtype_name(torch_dtype)} NS) + fused AdamW, "
                 "the same groups", baseline, flop, baseline),
             Row("Muon.step", case, "optimizer.Muon (defaults), the same groups", grouped, flop, baseline),
             Row("Muon.step", case, "optimizer.Muon (defaults), the same tensors in two groups", merged, flop,
@@ -874,7 +881,7 @@ def bench_dist(optimizer, blocks: int, repeats: int, emulated_peers: bool) -> tu
         f"dist: owner Newton-Schulz FLOP balance (max/mean over ranks, plan_step): {plan.balance:.3f}",
         f"dist: step time ours/naive {result['ours_ms'] / naive:.2f}x (ratio column: naive/ours)",
         f"dist: plan_step's predicted step time with a DeviceModel measured in the same run (per rank: "
-        f"{str(plan_dtype).removeprefix('torch.')} Newton-Schulz of a GPT-2 block's matrices "
+        f"{dtype_name(plan_dtype)} Newton-Schulz of a GPT-2 block's matrices "
         f"{device_model.matmul_flops / 1e9:.1f} GFLOP/s, gloo all-to-all {device_model.link_bytes_per_s / 1e9:.2f} "
         f"GB/s sent, {device_model.collective_latency_s * 1e6:.0f} us per collective): overlapped "
         f"{plan.time_overlapped_s * 1e3:.0f} ms, serial {plan.time_serial_s * 1e3:.0f} ms; measured "
@@ -974,12 +981,12 @@ def main() -> None:
     choice = optimizer.ns_dtype_choice(device)
     today = datetime.date.today().isoformat()
     header = [f"# Benchmarks: {device_name}, {today}", "", *_software_lines(optimizer, device),
-              f"Measured matmul peak (torch.mm, {str(dtype).removeprefix('torch.')}): {peak:.0f} GFLOP/s"
+              f"Measured matmul peak (torch.mm, {dtype_name(dtype)}): {peak:.0f} GFLOP/s"
               f"{_datasheet_note(device_name)}. "
               "GFLOP counts are of full products; ratios are baseline / ours, measured side by side in this run.",
               "", f"ns_dtype=None picks {choice.dtype} here: {choice.reason}. torch.mm at "
               f"{f'512 (best of {4 * args.repeats})' if device.type == 'cpu' else 4096}: " + ", ".join(
-                  f"{str(key).removeprefix('torch.')} {rate:.0f} GFLOP/s" for key, rate in rates.items()) +
+                  f"{dtype_name(key)} {rate:.0f} GFLOP/s" for key, rate in rates.items()) +
               f"; torch.optim.Muon's Newton-Schulz is timed in {torch_dtype}, the faster of the two for it."]
     if device.type == "cpu":
         units = _precision(optimizer).cpu_matrix_units()

@@ -131,7 +131,8 @@ def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
 # than in a CPU's 16-bit default, by the unit that default runs on: oneDNN, which runs torch's 16-bit CPU products,
 # costs ~20-30 us a call however small the matrices, where MKL's float32 products of small ones take 2-5 us; the
 # faster the CPU's float32 products against its bf16 ones, the larger the matrices float32 wins on. zeropower, 5 steps,
-# bf16 against float32 (us, paired):
+# the standard iteration (where ns_algorithm="auto" gives a wide float32 matrix the cheaper Gram one, float32 may win
+# on larger ones still: `make bench`'s lone-matrix rows run auto's), bf16 against float32 (us, paired):
 #   - 2-core Xeon with AMX (fp32 ~0.37 TFLOP/s): 10x256 527 / 133; 128x512 (6.3M a product) 1579 / 1397; 192x192
 #     (7.1M) 1491 / 1277; 224x224 (11.2M) 1687 / 1847; 256x256 (16.8M) 1983 / 2442;
 #   - 2-core AMD EPYC with AVX512-BF16 (fp32 ~0.17 TFLOP/s, 2026-11-26): 10x256 278 / 127; 64x512 (1.5M) 613 / 527;
