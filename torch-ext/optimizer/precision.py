@@ -34,7 +34,7 @@ import torch
 CPU_MATRIX_UNITS: tuple[str, ...] = ("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16")
 _UNITS_FOR: dict[torch.dtype, tuple[str, ...]] = {torch.bfloat16: ("amx_bf16", "avx512_bf16"),
                                                   torch.float16: ("amx_fp16", "avx512_fp16")}
-_WITHOUT_UNITS: dict[torch.dtype, str] = {torch.bfloat16: "emulated, measured 3x to 600x slower than float32",
+_WITHOUT_UNITS: dict[torch.dtype, str] = {torch.bfloat16: "emulated, measured 3x to 480x slower than float32",
                                           torch.float16: "a reference kernel, measured 700x slower than float32"}
 
 
@@ -117,7 +117,7 @@ def ns_dtype_choice(device: torch.device | str) -> NsDtypeChoice:
                                                 "Intel's issue bf16 dot products at their fp32 rate (bf16 products "
                                                 "~1.8x slower)")
         return NsDtypeChoice(torch.float32, "the CPU has no bf16 matrix instructions (AMX, AVX512-BF16): bf16 "
-                                            "products are emulated there, 3x to 600x slower than fp32")
+                                            "products are emulated there, 3x to 480x slower than fp32")
     if device.type == "cuda":
         capability = cuda_capability(device)
         if capability is not None and capability < (8, 0):
