@@ -4,7 +4,8 @@ step is mostly host work on a GPU (an H100, 2026-11-26: 2.23 ms against torch's 
 2.13 later), and on one Llama-3-8B layer's
 (on a GPU): torch.profiler over the third step of each (the first creates the state, the second warms the caches),
 with the count of operators and of kernel launches, and each one's costliest operators by host time and, on a GPU,
-by kernel time. Ours runs with the defaults, and on GPT-2 small also with moments stored rounded and offloaded, as
+by kernel time. torch's Newton-Schulz runs in the dtype torch.mm is faster in here (`bench.faster_torch_dtype`, named
+in its label), as `make bench` times it. Ours runs with the defaults, and on GPT-2 small also with moments stored rounded and offloaded, as
 they are and as int8 codes (the rows that missed issue 12's targets on the H100: 1.25x, 1.34x and 5.0x the default
 step's time; int8 offload 3.0x and 3.5x where its copies need 0.5x), on a GPU with NorMuon too (2.6x the
 default step's time on an H100, its composition of torch ops host-bound), and on the Llama
@@ -36,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 BENCHMARKS = Path(__file__).resolve().parent
 TOP = 25
 PYTHON_STEPS = 20
+PROBE_REPEATS = 5  # `make bench`'s default --repeats, for the probe of torch's faster dtype
 # The runtime calls that launch a kernel: torch's own kernels, and Triton's (cuLaunchKernelEx).
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
@@ -50,11 +52,16 @@ def _steps(optimizer, device: torch.device) -> dict[str, Callable[[], None]]:
     if device.type == "cuda":  # a CPU takes most of a minute for one step of it
         models["Llama-3-8B layer"] = (bench.LLAMA3_8B_LAYER, bench.LLAMA3_8B_VECTORS, 1, [])
     ours = "optimizer.Muon (defaults)"
-    labels = {"GPT-2 small": ["torch.optim.Muon + AdamW", ours, "optimizer.Muon, state_dtype=torch.bfloat16",
+    theirs = "torch.optim.Muon + AdamW"
+    labels = {"GPT-2 small": [theirs, ours, "optimizer.Muon, state_dtype=torch.bfloat16",
                               "optimizer.Muon, state_dtype='int8'"]
               + (list(step_memory.GPU_CONFIGS) if device.type == "cuda" else []),
-              "MNIST MLP": ["torch.optim.Muon + AdamW", ours],
-              "Llama-3-8B layer": ["torch.optim.Muon + AdamW", ours]}
+              "MNIST MLP": [theirs, ours],
+              "Llama-3-8B layer": [theirs, ours]}
+    # torch's Newton-Schulz in the dtype faster for it here, as `make bench` times it (bf16 is emulated on some
+    # CPUs: 26 s a GPT-2 step).
+    torch_dtype, _ = bench.faster_torch_dtype(device, PROBE_REPEATS)
+    torch_label = f"torch.optim.Muon ({bench.dtype_name(torch_dtype)} NS) + AdamW"
 
     def stepping(optimizers: list[torch.optim.Optimizer]) -> Callable[[], None]:
         def step() -> None:
@@ -72,7 +79,11 @@ def _steps(optimizer, device: torch.device) -> dict[str, Callable[[], None]]:
     for model, shapes in models.items():
         matrices, vectors = bench._step_params(device, *shapes)
         for label in labels[model]:
-            steps[f"{model}: {label}"] = stepping(step_memory._optimizers(optimizer, label, matrices, vectors))
+            optimizers = step_memory._optimizers(optimizer, label, matrices, vectors)
+            if label == theirs:
+                steps[f"{model}: {torch_label}"] = bench.torch_stepping(optimizers, torch_dtype)
+            else:
+                steps[f"{model}: {label}"] = stepping(optimizers)
         if model == "Llama-3-8B layer":
             (compiled,) = step_memory._optimizers(optimizer, ours, matrices, vectors)
             steps[f"{model}: torch.compile(optimizer.Muon.step)"] = torch.compile(compiled.step)
