@@ -120,21 +120,22 @@ class Muon(Optimizer):
         params: parameters or parameter groups (dicts); groups may set any option below, plus ``use_muon``
             (None/True/False) and ``param_layout`` ("auto", "conv" for Conv1d weights, "experts").
         lr: learning rate. weight_decay: decoupled (``p *= 1 - lr * weight_decay``), as torch.optim.Muon does.
-        momentum, nesterov: the momentum buffer is ``lerp(grad, 1 - momentum)``; Nesterov orthogonalizes
+        momentum, nesterov: the momentum buffer is ``lerp(buffer, grad, 1 - momentum)``; Nesterov orthogonalizes
             ``lerp(grad, buffer, momentum)``.
         ns_steps, ns_coefficients: Newton-Schulz iterations and their (a, b, c) coefficients: "polar_express",
-            "quintic", "original", or a list of triples (the last repeats).
+            "polar_express_safer", "quintic", "original", or a list of triples (the last repeats).
         eps: lower clamp of the Frobenius norm before the iteration.
         adjust_lr_fn: "match_rms_adamw" (0.2 * sqrt(max(out, in))), "original" (sqrt(max(1, out / in))),
             "spectral" (sqrt(out / in); timm's "rms_to_rms"), "rsqrt_in" (1 / sqrt(in)) or None (no scaling).
         ns_dtype: Newton-Schulz compute dtype; None is what the device multiplies fastest (`default_ns_dtype`):
-            bfloat16 on GPUs and on CPUs with fast bf16 products (AMX; AVX512-BF16 on AMD cores), float32 on other
-            CPUs, and on those, for a lone matrix under 2^23 (AMX) or 2^22 (AVX512-BF16) multiply-adds a product
-            (`matrix_ns_dtype`).
+            bfloat16 on GPUs from compute capability 8.0 (float16 below) and on CPUs with fast bf16 products (AMX;
+            AVX512-BF16 on AMD cores), float32 on other CPUs, and on those, for a lone matrix under 2^23 (AMX) or
+            2^22 (AVX512-BF16) multiply-adds a product (`matrix_ns_dtype`).
         ns_algorithm: "standard" (three products of the matrix's size per step), "gram" (the same polynomial
             applied through the matrix's Gram matrix: 1.7-2.1x faster on 1:4 matrices in float32) or "auto" (per
             shape, "gram" where it takes fewer FLOPs, from an aspect ratio of about 1.5, by 3M or more, and the
-            iteration is float32 or float64; "standard" otherwise).
+            iteration is float32 or float64; in 16-bit on CUDA GPUs, "gram" (in float16) from 2048 rows where it
+            does at most 3/4 of the standard iteration's FLOPs; "standard" otherwise).
         preconditioner: None or "aol": rows scaled by (|X Xᵀ| 1)^(-1/2) before the iteration instead of relying on
             the Frobenius scaling alone (Turbo-Muon); the "polar_express" schedule then assumes it, and 4 steps reach
             the accuracy 5 reach without it on well-conditioned matrices.
@@ -182,7 +183,8 @@ class Muon(Optimizer):
         qk_clip: QK-clip (MuonClip, Kimi K2) layers, a mapping from a layer key of your choice (an index, a name)
             to a :class:`QKClipLayer` (query and key weights, or their parameter names, and the head layout).
             `step(qk_logits={key: max_logits})` then clips those layers after the update. Not a per-group option.
-        qk_clip_threshold: the largest attention logit a head may keep (Kimi's tau, 100 by default).
+        qk_clip_threshold: the largest attention logit a head may keep (Kimi's tau, 100 by default). Not a per-group
+            option.
         betas, fallback_lr_scale: timm's names for adamw_betas and adamw_lr_scale; groups may also say
             ``use_fallback`` (timm's, the opposite of use_muon) and adjust_lr_fn "rms_to_rms" (timm's "spectral").
     """
