@@ -83,6 +83,18 @@ def test_backend_that_cannot_run_here_is_named() -> None:
         optimizer.zeropower(X, backend="cuda")
 
 
+
+def test_the_cpu_op_refuses_tensors_on_another_device_and_dtypes_it_lacks() -> None:
+    # The compiled CPU op is in this build, so only the device and the dtype can rule it out: a meta tensor (as a
+    # model built on the meta device has) and a float8 or complex matrix must not reach it.
+    assert "cpu" not in dispatch.available_backends(torch.float32, "meta")
+    with pytest.raises(RuntimeError, match="backend='cpu'.*on meta"):
+        dispatch.check_backend("cpu", torch.float32, torch.device("meta"))
+    for dtype in (torch.float8_e4m3fn, torch.complex64):
+        assert "cpu" not in dispatch.available_backends(dtype, "cpu"), dtype
+        with pytest.raises(RuntimeError, match=rf"backend='cpu'.*{dtype}"):
+            dispatch.check_backend("cpu", dtype, torch.device("cpu"))
+
 def test_a_name_that_is_no_backend_is_a_value_error() -> None:
     # As every other bad argument of gram and zeropower; RuntimeError stays for a backend that cannot run here.
     X = torch.randn(8, 8)
@@ -103,6 +115,31 @@ def test_kernel_choice_by_device_dtype_and_shape(monkeypatch: pytest.MonkeyPatch
         wins = dtype in (torch.float32, torch.float64) or "amx_bf16" not in units
         assert optimizer.kernel_choice(large, dtype, "cpu") == ("cpu" if wins else "torch"), dtype
 
+
+
+def test_kernel_choice_sizes_the_gram_matrix_by_the_shorter_side_from_512_rows() -> None:
+    # README: the compiled op "from 512 rows up for fp32/fp64", `torch.mm` below. zeropower iterates on the wide
+    # orientation, so a tall (4096, 64) matrix's Gram matrix is 64 x 64 whichever way the shape is given.
+    for shape in ((511, 4096), (4096, 511), (4096, 64)):
+        assert optimizer.kernel_choice(shape, torch.float32, "cpu") == "torch", shape
+    for shape in ((512, 4096), (4096, 512), (3, 512, 512)):
+        assert optimizer.kernel_choice(shape, torch.float32, "cpu") == "cpu", shape
+
+
+def test_gram_of_a_tall_matrix_sizes_the_choice_by_its_gram_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
+    # X Xᵀ of a (512, 64) X is 512 x 512, the size from which the compiled op runs, though X's shorter side is 64.
+    calls: list[tuple[int, ...]] = []
+    real = native.symmetric_gram_
+
+    def counting(out, X, *args, **kwargs):
+        calls.append(tuple(X.shape))
+        return real(out, X, *args, **kwargs)
+
+    monkeypatch.setattr(native, "symmetric_gram_", counting)
+    X = torch.randn(dispatch.CPU_MIN_ROWS, 64, dtype=torch.float64)
+    torch.testing.assert_close(optimizer.gram(X), X @ X.mT)
+    assert calls == [tuple(X.shape)]
+    assert optimizer.gram(X.mT).shape == (64, 64) and calls == [tuple(X.shape)]
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (7, 5), None])
 def test_kernel_choice_on_gpus_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch, capability) -> None:
