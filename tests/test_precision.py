@@ -39,6 +39,7 @@ def linux_cpu_flags() -> set[str]:
     (("avx512_bf16", "avx512_fp16"), "GenuineIntel", torch.float32),  # the same with oneDNN capped below AMX
     ((), "AuthenticAMD", torch.float32),  # AVX2-only CPUs
     ((), "", torch.float32),  # non-x86 CPUs
+    (("avx512_bf16",), "", torch.float32),  # an unnamed vendor: only AMD's cores were measured faster in bf16
 ])
 def test_cpu_rule(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...], vendor: str, expected: torch.dtype) -> None:
     fake_cpu(monkeypatch, *units, vendor=vendor)
@@ -184,6 +185,24 @@ def test_where_float32_takes_over_depends_on_the_cpus_16_bit_unit(monkeypatch: p
     assert precision.matrix_ns_dtype(torch.bfloat16, cpu, (below, below)) == torch.float32
     assert precision.matrix_ns_dtype(torch.bfloat16, cpu, (above, above)) == torch.bfloat16
     assert f"2^{precision.small_matrix_macs().bit_length() - 1} " in precision.ns_dtype_choice(cpu).reason
+
+
+@pytest.mark.parametrize("units, small, large", [
+    # The README's examples of lone matrices that run in float32, each way round, and wider ones that do not. The
+    # rule counts a step's mean multiply-adds per product, (2 s² l + s³) / 3 for short side s and long side l: 128x512
+    # 6.3M and 160x512 10.1M against AMX's 2^23 (8.4M); 128x256 3.5M and 128x512 6.3M against AVX512-BF16's 2^22.
+    (("amx_bf16", "avx512_bf16"), [(10, 256), (128, 512), (512, 128)], [(160, 512), (512, 160)]),
+    (("avx512_bf16",), [(128, 256), (256, 128)], [(128, 512), (512, 128)]),
+])
+def test_where_float32_takes_over_on_rectangular_matrices(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...],
+                                                         small: list[tuple[int, int]],
+                                                         large: list[tuple[int, int]]) -> None:
+    fake_cpu(monkeypatch, *units)
+    cpu = torch.device("cpu")
+    for shape in small:
+        assert precision.matrix_ns_dtype(torch.bfloat16, cpu, shape) == torch.float32, shape
+    for shape in large:
+        assert precision.matrix_ns_dtype(torch.bfloat16, cpu, shape) == torch.bfloat16, shape
 
 
 @pytest.mark.parametrize("dtype, units, warns", [
