@@ -65,9 +65,10 @@ def test_mha_clipped_heads_fall_to_the_threshold_and_others_are_unchanged(bias: 
     assert torch.equal(after[~clipped], before[~clipped])
 
 
-def test_gqa_every_clipped_head_ends_under_the_threshold() -> None:
+@pytest.mark.parametrize("bias", [False, True])  # a key bias has the key heads' rows, fewer than the query's
+def test_gqa_every_clipped_head_ends_under_the_threshold(bias: bool) -> None:
     heads, kv_heads = 8, 2
-    before, after, threshold = clip_once(num_heads=heads, num_kv_heads=kv_heads, seed=3)
+    before, after, threshold = clip_once(num_heads=heads, num_kv_heads=kv_heads, bias=bias, seed=3)
     group = heads // kv_heads
     clipped = before > threshold
     assert (after[clipped] <= threshold * (1 + RELATIVE_TOL)).all(), (after, threshold)
