@@ -269,6 +269,22 @@ def test_an_infinite_entry_leaves_its_blocks_finite(path, key: str) -> None:
     assert torch.allclose(loaded[1].double(), values[1].cpu().double(), rtol=0.13)  # the other block as it was
 
 
+@pytest.mark.parametrize("key", ["momentum_buffer", "exp_avg", "exp_avg_sq"])
+def test_an_all_zero_block_stores_and_loads_as_zeros(path, key: str) -> None:
+    # A moment's block with nothing in it yet (an embedding row no token has reached, a fresh state): its scale is 0,
+    # and dividing by it made 0 / 0 = NaN codes (e4m3's NaN code loads as NaN at any scale).
+    native, device = path
+    values = torch.zeros((2, BLOCK), device=device)
+    values[1] = torch.linspace(-1.0, 1.0, BLOCK, device=device).abs() if key == "exp_avg_sq" else torch.linspace(
+        -1.0, 1.0, BLOCK, device=device)
+    stored = torch.ones(values.shape, dtype=torch.int8, device=device)
+    scales = torch.ones(state_precision.scales_shape(values.shape), device=device)
+    native.store_moment_(key, stored, scales, values, torch.tensor(5, device=device), torch.tensor(1.0, device=device),
+                         None)
+    loaded = native.load_moment(key, stored, scales).cpu()
+    assert torch.equal(loaded[0], torch.zeros(BLOCK)) and torch.equal(scales[0].cpu(), torch.zeros(1))
+    assert not torch.isnan(loaded).any()
+
 @pytest.mark.parametrize("key, form", MOMENT_CODES)
 def test_a_stored_moment_loads_within_one_step_of_its_values(path, key: str, form: str) -> None:
     native, device = path
