@@ -522,6 +522,19 @@ def test_aol_row_scaling_bounds_the_spectral_norm_by_one():
         assert spectral_norm(scaled) <= 1 + 1e-12
 
 
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+def test_aol_clamps_row_sums_below_eps(algorithm):
+    # README: the row sums are taken in float32 or float64, "where eps clamps them". A row far smaller than the
+    # others has a row sum under eps, and takes eps^(-1/2), not its own sum's far larger inverse root.
+    eps = 1e-7
+    G = random_matrix(4, 16, dtype=torch.float64, seed=0)
+    G[1] *= 1e-9
+    scaled = newton_schulz(G, [(1.0, 0.0, 0.0)], eps, algorithm=algorithm, preconditioner="aol")
+    X = G / G.norm()
+    sums = (X @ X.mT).abs().sum(dim=-1)
+    assert sums[1] < eps < sums[[0, 2, 3]].min()
+    torch.testing.assert_close(scaled, X * sums.clamp(min=eps).rsqrt().unsqueeze(-1), rtol=1e-12, atol=0)
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(128, 512), (512, 128), (64, 384)])
 def test_aol_with_one_step_fewer_is_as_close_to_the_polar_factor(dtype, shape):
