@@ -83,7 +83,6 @@ def test_backend_that_cannot_run_here_is_named() -> None:
         optimizer.zeropower(X, backend="cuda")
 
 
-
 def test_the_cpu_op_refuses_tensors_on_another_device_and_dtypes_it_lacks() -> None:
     # The compiled CPU op is in this build, so only the device and the dtype can rule it out: a meta tensor (as a
     # model built on the meta device has) and a float8 or complex matrix must not reach it.
@@ -94,6 +93,7 @@ def test_the_cpu_op_refuses_tensors_on_another_device_and_dtypes_it_lacks() -> N
         assert "cpu" not in dispatch.available_backends(dtype, "cpu"), dtype
         with pytest.raises(RuntimeError, match=rf"backend='cpu'.*{dtype}"):
             dispatch.check_backend("cpu", dtype, torch.device("cpu"))
+
 
 def test_a_name_that_is_no_backend_is_a_value_error() -> None:
     # As every other bad argument of gram and zeropower; RuntimeError stays for a backend that cannot run here.
@@ -114,7 +114,6 @@ def test_kernel_choice_by_device_dtype_and_shape(monkeypatch: pytest.MonkeyPatch
         # 16-bit products on AMX tiles: the BLAS's full product beats the op's panels; everywhere else the op wins.
         wins = dtype in (torch.float32, torch.float64) or "amx_bf16" not in units
         assert optimizer.kernel_choice(large, dtype, "cpu") == ("cpu" if wins else "torch"), dtype
-
 
 
 def test_kernel_choice_sizes_the_gram_matrix_by_the_shorter_side_from_512_rows() -> None:
@@ -140,6 +139,7 @@ def test_gram_of_a_tall_matrix_sizes_the_choice_by_its_gram_matrix(monkeypatch: 
     torch.testing.assert_close(optimizer.gram(X), X @ X.mT)
     assert calls == [tuple(X.shape)]
     assert optimizer.gram(X.mT).shape == (64, 64) and calls == [tuple(X.shape)]
+
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (7, 5), None])
 def test_kernel_choice_on_gpus_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch, capability) -> None:

@@ -535,6 +535,7 @@ def test_aol_clamps_row_sums_below_eps(algorithm):
     assert sums[1] < eps < sums[[0, 2, 3]].min()
     torch.testing.assert_close(scaled, X * sums.clamp(min=eps).rsqrt().unsqueeze(-1), rtol=1e-12, atol=0)
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(128, 512), (512, 128), (64, 384)])
 def test_aol_with_one_step_fewer_is_as_close_to_the_polar_factor(dtype, shape):

@@ -285,6 +285,7 @@ def test_an_all_zero_block_stores_and_loads_as_zeros(path, key: str) -> None:
     assert torch.equal(loaded[0], torch.zeros(BLOCK)) and torch.equal(scales[0].cpu(), torch.zeros(1))
     assert not torch.isnan(loaded).any()
 
+
 @pytest.mark.parametrize("key, form", MOMENT_CODES)
 def test_a_stored_moment_loads_within_one_step_of_its_values(path, key: str, form: str) -> None:
     native, device = path

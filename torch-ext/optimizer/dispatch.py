@@ -183,8 +183,9 @@ def gram(X: Tensor, backend: str | None = None) -> Tensor:
     """`X @ X.mT` for a matrix (m, k) or a batch (B, m, k) through the fastest available path.
 
     `backend` ("torch", "cpu", "cuda", "triton") forces a path; one that cannot run here raises a RuntimeError that
-    names it. `kernel_choice(X.shape, X.dtype, X.device)` says which path None picks. Computed without autograd
-    and in X's dtype inside a `torch.autocast` region too, whichever path runs.
+    names it. `kernel_choice((*X.shape[:-1], X.shape[-2]), X.dtype, X.device)` (the Gram matrix's shape) says which
+    path None picks. Computed without autograd and in X's dtype inside a `torch.autocast` region too, whichever path
+    runs.
     """
     if not isinstance(X, Tensor) or X.ndim not in (2, 3):
         raise ValueError(f"Invalid X: expected a matrix (m, k) or a batch (B, m, k), got "
