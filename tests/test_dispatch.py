@@ -125,8 +125,8 @@ def test_kernel_choice_sizes_the_gram_matrix_by_the_shorter_side_from_512_rows()
         assert optimizer.kernel_choice(shape, torch.float32, "cpu") == "cpu", shape
 
 
-def test_gram_of_a_tall_matrix_sizes_the_choice_by_its_gram_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
-    # X Xᵀ of a (512, 64) X is 512 x 512, the size from which the compiled op runs, though X's shorter side is 64.
+def recorded_gram_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of X the compiled Gram op is called with from now on, in order."""
     calls: list[tuple[int, ...]] = []
     real = native.symmetric_gram_
 
@@ -135,6 +135,12 @@ def test_gram_of_a_tall_matrix_sizes_the_choice_by_its_gram_matrix(monkeypatch: 
         return real(out, X, *args, **kwargs)
 
     monkeypatch.setattr(native, "symmetric_gram_", counting)
+    return calls
+
+
+def test_gram_of_a_tall_matrix_sizes_the_choice_by_its_gram_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
+    # X Xᵀ of a (512, 64) X is 512 x 512, the size from which the compiled op runs, though X's shorter side is 64.
+    calls = recorded_gram_calls(monkeypatch)
     X = torch.randn(dispatch.CPU_MIN_ROWS, 64, dtype=torch.float64)
     torch.testing.assert_close(optimizer.gram(X), X @ X.mT)
     assert calls == [tuple(X.shape)]
@@ -154,14 +160,7 @@ def test_kernel_choice_on_gpus_follows_the_measured_table(monkeypatch: pytest.Mo
 
 
 def test_muon_step_uses_the_chosen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, ...]] = []
-    real = native.symmetric_gram_
-
-    def counting(out, X, *args, **kwargs):
-        calls.append(tuple(X.shape))
-        return real(out, X, *args, **kwargs)
-
-    monkeypatch.setattr(native, "symmetric_gram_", counting)
+    calls = recorded_gram_calls(monkeypatch)
     rows = dispatch.CPU_MIN_ROWS
     param = torch.randn(rows, rows + 64)
     param.grad = torch.randn_like(param)
