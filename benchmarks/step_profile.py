@@ -6,9 +6,9 @@ step is mostly host work on a GPU (an H100, 2026-11-26: 2.23 ms against torch's 
 with the count of operators and of kernel launches, and each one's costliest operators by host time and, on a GPU,
 by kernel time. torch's Newton-Schulz runs in the dtype torch.mm is faster in here (`bench.faster_torch_dtype`, named
 in its label), as `make bench` times it. Ours runs with the defaults, and on GPT-2 small also with moments stored
-rounded and offloaded, as they are and as int8 codes (the rows that missed issue 12's targets on the H100: 1.25x, 1.34x and 5.0x the default
-step's time; int8 offload 3.0x and 3.5x where its copies need 0.5x), on a GPU with NorMuon too (2.6x the
-default step's time on an H100, its composition of torch ops host-bound), and on the Llama
+rounded and offloaded, as they are and as int8 codes (the rows that missed issue 12's targets on the H100: 1.25x,
+1.34x and 5.0x the default step's time; int8 offload 3.0x and 3.5x where its copies need 0.5x), on a GPU with
+NorMuon too (2.6x the default step's time on an H100, its composition of torch ops host-bound), and on the Llama
 layer also compiled (1.15x of torch's speed there, against 1.31x eager). GPT-2 small's AdamW part alone (its 97
 vectors and embedding: 0.49x of fused AdamW's speed on the H100, host-bound) is profiled too. Each step, ours and
 torch's, also gets its count of Python calls and tables of its Python functions by cumulative and by own time
