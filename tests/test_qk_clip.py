@@ -192,6 +192,21 @@ def test_float64_weights_are_clipped_by_float64_scales() -> None:
     torch.testing.assert_close(weights[0], expected, rtol=4 * torch.finfo(torch.float64).eps, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights_are_scaled_with_one_rounding(dtype: torch.dtype) -> None:
+    # The float32 scales were rounded to the weights' dtype first, and each product then rounded again: up to a
+    # 16-bit ulp off the exact product where a scale given as a Python number rounds once (within half an ulp).
+    heads, generator = 64, torch.Generator().manual_seed(0)
+    weights = [torch.randn(heads * HEAD_DIM, MODEL_DIM, generator=generator).to(dtype) for _ in range(2)]
+    exact = torch.stack(weights).double() * math.sqrt(10.0 / 33.0)  # query and key: each head's gamma, 10 / 33
+    optimizer.qk_clip_({0: QKClipLayer(*weights, num_heads=heads, head_dim=HEAD_DIM)},
+                       {0: torch.full((heads,), 33.0)}, 10.0)
+    finfo = torch.finfo(dtype)
+    ulp = (2.0 ** exact.abs().log2().floor() * finfo.eps).clamp(min=finfo.smallest_normal * finfo.eps)
+    # Half an ulp from the final rounding, and a few float32 ulps from the scale's and the product's float32 values.
+    assert ((torch.stack(weights).double() - exact).abs() <= ulp / 2 + 4 * 2.0**-24 * exact.abs()).all()
+
+
 @pytest.mark.parametrize("logits, message", [([torch.ones(2)], "a list"), (torch.ones(2), "a Tensor"),
                                              ({0: torch.ones(2, dtype=torch.complex64)}, "complex64")])
 def test_logits_of_another_kind_are_refused_naming_qk_logits(logits, message: str) -> None:

@@ -200,13 +200,14 @@ def _clip_layer(layer: QKClipLayer, max_logits: Tensor, threshold: float) -> Non
 
 
 def _scale_rows_(tensor: Tensor, row_scales: Tensor) -> None:
-    """Multiplies each of the rank's local rows by the scale of its global row (an exact no-op where it is 1)."""
+    """Multiplies each of the rank's local rows by the scale of its global row (an exact no-op where it is 1). The
+    scales stay in their float32 (or float64): a 16-bit row is multiplied in that precision and rounded once, as a
+    scale given as a Python number would be."""
     local = local_tensor(tensor)
     if local.numel() == 0:
         return
     rows = _local_rows(tensor)
     scales = row_scales if rows is None else row_scales[rows]
-    scales = scales.to(local.dtype)
     local.mul_(scales.view(-1, *([1] * (local.ndim - 1))))
 
 
