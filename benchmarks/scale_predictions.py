@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kernels import get_local_kernel
 
+from bench import cpu_model
 from model_shapes import LLAMA_3_8B, LLAMA_3_70B
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def main() -> None:
              "| model | H100s | layout | Newton-Schulz TFLOP, busiest GPU | balance | MiB sent, busiest GPU | "
              "all-to-alls | predicted ms, overlapped | predicted ms, serial |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows(optimizer), "",
-             f"(planned in {time.perf_counter() - started:.0f} s on this machine)"]
+             f"(planned in {time.perf_counter() - started:.0f} s on {cpu_model()})"]
     text = "\n".join(lines)
     print(text)
     args.out.write_text(text + "\n")

@@ -246,4 +246,3 @@ def test_a_projection_placed_as_fsdp2_over_tp_places_it_is_refused_when_the_laye
     monkeypatch.setattr(qk_clip, "is_dtensor", lambda tensor: hasattr(tensor, "placements"))
     with pytest.raises(ValueError, match="query: placement _StridedShard"):
         qk_clip.resolve_layers({0: QKClipLayer(wq, wk, num_heads=2, head_dim=HEAD_DIM)}, {})
-

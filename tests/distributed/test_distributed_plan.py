@@ -104,8 +104,8 @@ def test_cost_is_the_flop_count_of_the_iteration_that_runs() -> None:
     assert assignment.iteration_flops(wide, 5, "auto", torch.bfloat16, "cpu") == standard
     # In 16-bit on GPUs, Gram from 2048 rows where it does at most 3/4 of the FLOPs (newton_schulz.resolve_algorithm).
     large, flop = routing.matrix_view(torch.Size((8192, 2048))), submodule(optimizer, "newton_schulz")
-    assert assignment.iteration_flops(large, 5, "auto", torch.bfloat16, "cuda") == flop.gram_flop(2048, 8192, 5,
-                                                                                                torch.bfloat16)
+    gram = flop.gram_flop(2048, 8192, 5, torch.bfloat16)
+    assert assignment.iteration_flops(large, 5, "auto", torch.bfloat16, "cuda") == gram
     assert assignment.iteration_flops(large, 5, "auto", torch.bfloat16, "cpu") == flop.standard_flop(2048, 8192, 5)
 
 
@@ -172,7 +172,6 @@ def _layouts_for_plan_checks() -> list:
     ]
 
 
-
 def _shares_for_plan_checks(owners: tuple[int, int], layouts: list) -> list[tuple]:
     """Whole matrices on the given owners, and the (10, 6) matrix divided in three column shares."""
     Share = assignment.Share
@@ -214,6 +213,30 @@ def test_all_to_all_plans_agree_between_ranks_and_cover_every_element_once(owner
             wanted = torch.zeros(layout.shape, dtype=torch.int64)
             wanted[layout.boxes[rank]] = 1
             assert torch.equal(hits, wanted), (item, rank, hits)
+
+
+@pytest.mark.parametrize("owners", list(itertools.product(range(4), repeat=2)))
+def test_rank_local_exchanges_and_counts_of_all_ranks_match_every_ranks_transfers(owners: tuple[int, int]) -> None:
+    """chunk_exchanges plans a rank's side from the transfers it sends or receives, and plan_step counts every
+    rank's elements without listing the transfers (listing them took seconds at 512 ranks); what every rank's
+    transfers give is the truth, moves_data included: each item alone too, so that chunks where nothing moves, or
+    only the scatter does, are among them."""
+    layouts = [*_layouts_for_plan_checks(), layout_module.sharded_layout((1, 8), (4,), (Shard(0),), (0, 1, 2, 3))]
+    shares = [*_shares_for_plan_checks(owners, layouts), (assignment.Share(0),)]  # (1, 8): rank 0 holds it all
+    chunks = [[item] for item in range(len(layouts))] + [list(range(len(layouts)))]
+    moved = set()
+    for chunk in chunks:
+        chunk_layouts, chunk_shares = tuple(layouts[i] for i in chunk), tuple(shares[i] for i in chunk)
+        every_gather = plan.gather_transfers(chunk_layouts, chunk_shares)
+        every_scatter = plan.scatter_transfers(chunk_layouts, chunk_shares)
+        assert plan.gather_numels(chunk_layouts, chunk_shares) == plan.transfer_numels(every_gather, 4), chunk
+        assert plan.scatter_numels(chunk_layouts, chunk_shares) == plan.transfer_numels(every_scatter, 4), chunk
+        for rank in range(4):
+            gather, scatter = plan.chunk_exchanges(chunk_layouts, chunk_shares, rank)
+            assert gather == plan.exchange(every_gather, 4, rank), (chunk, rank)
+            assert scatter == plan.exchange(every_scatter, 4, rank), (chunk, rank)
+            moved.add((gather.moves_data, scatter.moves_data))
+    assert moved == {(False, False), (False, True), (True, True)}  # each kind of chunk was among them
 
 
 def test_staggered_chunks_launch_each_gather_before_the_previous_chunk_computes() -> None:

@@ -2,10 +2,10 @@
 
 The step's own decisions, not a model of them: the matrix views (`routing.matrix_view`), the shard layouts
 (`layout.sharded_layout`), which matrices stay where they are, the shares, their owners and the chunks
-(`assignment.plan_spread`), every all-to-all's transfers (`plan.gather_transfers`,
-`plan.scatter_transfers`, and `split_newton_schulz.among_owners` for divided matrices) and the work of the
-iteration each share gets (`assignment.rank_flops`). So the bytes are the bytes the pipeline sends, exactly; the
-FLOPs are those iterations' products, and the times are a roofline over a `DeviceModel`.
+(`assignment.plan_spread`), every all-to-all's transfers (`plan.gather_transfers` and `plan.scatter_transfers`,
+counted per rank by `plan.gather_numels` and `plan.scatter_numels`, and `split_newton_schulz.among_owners` for divided
+matrices) and the work of the iteration each share gets (`assignment.rank_flops`). So the bytes are the bytes the
+pipeline sends, exactly; the FLOPs are those iterations' products, and the times are a roofline over a `DeviceModel`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ..option_values import as_integer, check_choice, check_chunk_size, check_fl
 from ..routing import CONV_MODES, PARAM_LAYOUTS, matrix_view
 from .assignment import COLUMNS, plan_spread, rank_flops
 from .dtensors import Placement
-from .layout import box_numel, sharded_layout
-from .plan import gather_transfers, scatter_transfers
+from .layout import sharded_layout
+from .plan import gather_numels, scatter_numels, transfer_numels
 from .split_newton_schulz import among_owners
 
 
@@ -97,22 +97,18 @@ def plan_step(shapes: Sequence[Sequence[int]], world: int, *, placements: Sequen
     for chunk in chunks:
         chunk_layouts = [layouts[spread[i]] for i in chunk]
         chunk_shares = [shares[i] for i in chunk]
-        exchanges = [(gather_transfers(chunk_layouts, chunk_shares), comm_size)]
+        exchanges = [(gather_numels(chunk_layouts, chunk_shares), comm_size)]
         divided = {index: [share.owner for share in item_shares] for index, item_shares in enumerate(chunk_shares)
                    if item_shares[0].kind == COLUMNS}
         if divided:  # split Newton-Schulz: the squares for the norm, then each step's parts of X Xᵀ
             squares = {index: (1,) for index in divided}
             grams = {index: (min(views[spread[chunk[index]]].rows, views[spread[chunk[index]]].cols),) * 2
                      for index in divided}
-            exchanges.append((among_owners(divided, squares), 4))
-            exchanges += [(among_owners(divided, grams), gram_size)] * ns_steps
-        exchanges.append((scatter_transfers(chunk_layouts, chunk_shares), comm_size))
-        for transfers, itemsize in exchanges:
-            out, into = [0] * world, [0] * world
-            for transfer in transfers:
-                if transfer.source != transfer.target:
-                    out[transfer.source] += box_numel(transfer.box) * itemsize
-                    into[transfer.target] += box_numel(transfer.box) * itemsize
+            exchanges.append((transfer_numels(among_owners(divided, squares), world), 4))
+            exchanges += [(transfer_numels(among_owners(divided, grams), world), gram_size)] * ns_steps
+        exchanges.append((scatter_numels(chunk_layouts, chunk_shares), comm_size))
+        for (out_numels, into_numels), itemsize in exchanges:
+            out, into = [n * itemsize for n in out_numels], [n * itemsize for n in into_numels]
             collectives += any(out)
             sent = [a + b for a, b in zip(sent, out)]
             received = [a + b for a, b in zip(received, into)]

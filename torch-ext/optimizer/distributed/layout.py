@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from itertools import product
 
 import torch
@@ -40,8 +40,13 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 def intersection(a: Box, b: Box) -> Box | None:
     """The box both hold, or None when they share no element."""
-    common = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
-    return common if all(s.start < s.stop for s in common) else None
+    common = []
+    for x, y in zip(a, b):  # a loop that stops at the first disjoint dim: planning calls it per share and rank
+        start, stop = max(x.start, y.start), min(x.stop, y.stop)
+        if start >= stop:
+            return None
+        common.append(slice(start, stop))
+    return tuple(common)
 
 
 def within(box: Box, outer: Box) -> Box:
@@ -76,26 +81,43 @@ class ShardLayout:
         return tuple(dim for dim, size in enumerate(self.shape)
                      if any(box[dim].stop - box[dim].start != size for box in self.boxes))
 
-    def _first_holders(self) -> dict[tuple[tuple[int, int], ...], int]:
-        """The lowest rank holding each distinct non-empty box (keyed by bounds: slices are unhashable before
-        Python 3.12). Distinct boxes are disjoint and cover the tensor."""
-        chosen: dict[tuple[tuple[int, int], ...], int] = {}
+    @cached_property
+    def holders(self) -> dict[tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """The ranks holding each distinct non-empty box, lowest first (keyed by bounds: slices are unhashable
+        before Python 3.12). Distinct boxes are disjoint and cover the tensor. Computed once: the plans of every
+        share ask again."""
+        holders: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for rank, box in enumerate(self.boxes):
             if box_numel(box):
-                chosen.setdefault(_bounds(box), rank)
-        return chosen
+                holders.setdefault(_bounds(box), []).append(rank)
+        return {bounds: tuple(ranks) for bounds, ranks in holders.items()}
+
+    @cached_property
+    def _starts_and_stops(self) -> Tensor:
+        """(world, dims, 2): each rank's box as int64 bounds."""
+        return torch.tensor([[(s.start, s.stop) for s in box] for box in self.boxes],
+                            dtype=torch.int64).view(self.world, len(self.shape), 2)
+
+    def overlap_numels(self, box: Box) -> Tensor:
+        """How many elements of `box` each rank holds (int64, one per rank), all ranks at once."""
+        bounds = self._starts_and_stops
+        starts = bounds[..., 0].clamp(min=torch.tensor([s.start for s in box], dtype=torch.int64))
+        stops = bounds[..., 1].clamp(max=torch.tensor([s.stop for s in box], dtype=torch.int64))
+        return (stops - starts).clamp(min=0).prod(dim=1)
+
+    def holders_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks holding the box `rank` holds, itself among them; none when its box is empty."""
+        return self.holders.get(_bounds(self.boxes[rank]), ())
 
     def counts_once(self, rank: int) -> bool:
         """Whether `rank`'s part is the one counted when every rank's parts are summed: replicas count once."""
-        return self._first_holders().get(_bounds(self.boxes[rank])) == rank
+        return self.holders_of(rank)[:1] == (rank,)
 
     def sources(self, owner: int) -> list[int]:
         """One rank per distinct non-empty box, whose copy is sent to `owner`: the owner itself when it holds
         that box (no transfer), else the lowest rank that does."""
-        chosen = self._first_holders()
-        if _bounds(self.boxes[owner]) in chosen:
-            chosen[_bounds(self.boxes[owner])] = owner
-        return sorted(chosen.values())
+        own = _bounds(self.boxes[owner])
+        return sorted(owner if bounds == own else ranks[0] for bounds, ranks in self.holders.items())
 
     def to_global(self, stored: Tensor) -> Tensor:
         """The whole tensor in storage order -> in global order."""
@@ -122,10 +144,31 @@ def _indices_held(dim: int, length: int, splits: Sequence[tuple[Placement, int, 
     """The global indices along tensor dim `dim` that survive `splits` = (placement, mesh dim size, coordinate),
     applied in mesh-dim order with DTensor's own split (torch.chunk for Shard, interleaved runs for _StridedShard).
     """
-    indices = torch.arange(length).view((1,) * dim + (length,))  # laid along `dim`, where the placements split
+    indices = _laid_along(dim, length)
     for placement, parts, coordinate in splits:
-        indices = placement._split_tensor(indices, parts, with_padding=False)[0][coordinate]
+        indices = _split(placement, indices, parts)[coordinate]
     return indices.reshape(-1)
+
+
+def _indices_held_at_each(dim: int, length: int, splits: Sequence[tuple[Placement, int]]
+                          ) -> dict[tuple[int, ...], Tensor]:
+    """`_indices_held` at every coordinate on the mesh dims of `splits` = (placement, mesh dim size), keyed by those
+    coordinates: each split made once for all its parts (one split per coordinate at 512 ranks took seconds)."""
+    held = {(): _laid_along(dim, length)}
+    for placement, parts in splits:
+        held = {key + (coordinate,): part for key, indices in held.items()
+                for coordinate, part in enumerate(_split(placement, indices, parts))}
+    return {key: indices.reshape(-1) for key, indices in held.items()}
+
+
+def _laid_along(dim: int, length: int) -> Tensor:
+    """0 .. length - 1 laid along `dim`, where the placements split."""
+    return torch.arange(length).view((1,) * dim + (length,))
+
+
+def _split(placement: Placement, indices: Tensor, parts: int) -> list[Tensor]:
+    """`indices` split into `parts` as DTensor splits a tensor (some parts empty where there are too few)."""
+    return placement._split_tensor(indices, parts, with_padding=False)[0]
 
 
 @lru_cache(maxsize=4096)
@@ -141,12 +184,8 @@ def sharded_layout(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placemen
     orders: list[Order] = []
     for dim, length in enumerate(shape):
         mesh_dims = [m for m, placement in enumerate(placements) if sharded_tensor_dim(placement, len(shape)) == dim]
-        runs: dict[tuple[int, ...], Tensor] = {}  # coordinates on those mesh dims -> indices held; in order
-        for coordinate in coordinates:
-            key = tuple(coordinate[m] for m in mesh_dims)
-            if key not in runs:
-                splits = [(placements[m], mesh_shape[m], coordinate[m]) for m in mesh_dims]
-                runs[key] = _indices_held(dim, length, splits)
+        # coordinates on those mesh dims -> indices held; in order
+        runs = _indices_held_at_each(dim, length, [(placements[m], mesh_shape[m]) for m in mesh_dims])
         starts, position = {}, 0
         for key in sorted(runs):
             starts[key] = position
