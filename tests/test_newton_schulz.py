@@ -456,6 +456,18 @@ def test_gram_flop_counts_the_products_the_iteration_runs(dtype, steps):
     assert counted == gram_flop(40, 120, steps, dtype)
 
 
+def test_gram_restarts_split_the_steps_as_documented() -> None:
+    """Float32 and float64: stretches of at most five steps (longer ones let a rounded negative eigenvalue of R grow
+    to NaN), as few as that allows (each restart costs two (m, n) products), as even as they come. 16-bit: every
+    three steps."""
+    for steps in range(1, 101):
+        for dtype in (torch.float32, torch.float64):
+            bounds = (0, *newton_schulz_module._restart_steps(steps, dtype), steps)
+            stretches = [stop - start for start, stop in zip(bounds, bounds[1:])]
+            assert len(stretches) == math.ceil(steps / 5) and max(stretches) - min(stretches) <= 1, (steps, bounds)
+        assert newton_schulz_module._restart_steps(steps, torch.bfloat16) == tuple(range(3, steps, 3))
+
+
 @pytest.mark.parametrize("shape, expected", [((768, 3072), "gram"), ((3072, 768), "gram"), ((1024, 4096), "gram"),
                                              ((768, 768), "standard"), ((768, 1024), "standard"),
                                              ((32, 256), "gram"), ((24, 256), "standard"), ((10, 256), "standard")])
