@@ -205,15 +205,25 @@ def shard_positions(tensor: Tensor) -> Tensor | None:
     whichever way the tensor is split. None for a plain tensor: its own indices are the whole tensor's."""
     if not is_dtensor(tensor):
         return None
-    mesh, placements, shape = tensor.device_mesh, tensor.placements, tuple(tensor.shape)
-    coordinate = mesh.get_coordinate()
-    local = tensor.to_local()
-    positions = torch.zeros((1,) * len(shape), dtype=torch.int64, device=local.device)
-    stride = 1
-    for dim in reversed(range(len(shape))):
-        splits = [(placement, mesh.size(m), coordinate[m]) for m, placement in enumerate(placements)
-                  if sharded_tensor_dim(placement, len(shape)) == dim]
-        held = _indices_held(dim, shape[dim], splits).to(local.device)
-        positions = positions + held.view((1,) * dim + (-1,) + (1,) * (len(shape) - dim - 1)) * stride
-        stride *= shape[dim]
+    mesh, local = tensor.device_mesh, tensor.to_local()
+    positions = torch.zeros((1,) * tensor.ndim, dtype=torch.int64, device=local.device)
+    for term in _position_terms(tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape),
+                                tuple(mesh.get_coordinate()), local.device):
+        positions = positions + term
     return positions.expand(local.shape)
+
+
+@lru_cache(maxsize=4096)
+def _position_terms(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+                    coordinate: tuple[int, ...], device: torch.device) -> tuple[Tensor, ...]:
+    """Per dim, the global indices the shard at mesh `coordinate` holds times the dim's row-major stride, laid along
+    that dim, on `device`. Made once: each step asks for every rounded-state parameter, and copying them to a GPU
+    each time made the host wait for it."""
+    terms, stride = [], 1
+    for dim in reversed(range(len(shape))):
+        splits = [(placement, mesh_shape[m], coordinate[m]) for m, placement in enumerate(placements)
+                  if sharded_tensor_dim(placement, len(shape)) == dim]
+        held = _indices_held(dim, shape[dim], splits) * stride
+        terms.append(held.view((1,) * dim + (-1,) + (1,) * (len(shape) - dim - 1)).to(device))
+        stride *= shape[dim]
+    return tuple(terms)
