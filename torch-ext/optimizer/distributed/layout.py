@@ -70,12 +70,12 @@ class ShardLayout:
     def world(self) -> int:
         return len(self.boxes)
 
-    @property
+    @cached_property  # every step asks, of every parameter: at hundreds of ranks a walk over the boxes adds up
     def is_sharded(self) -> bool:
         """Whether some rank lacks part of the tensor (then a non-finite gradient may show on some ranks only)."""
         return any(box_numel(box) != math.prod(self.shape) for box in self.boxes)
 
-    @property
+    @cached_property
     def split_dims(self) -> tuple[int, ...]:
         """The tensor dims along which some rank holds less than the whole extent."""
         return tuple(dim for dim, size in enumerate(self.shape)

@@ -5,6 +5,7 @@ are added up over the group's ranks, one all-reduce each, a replicated part coun
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,15 @@ def normalize_shards(updates: Sequence[Tensor], items: Sequence[MuonTensors], la
     if totals is None:
         return normalized, None
     if any(layout.is_sharded for layout in layouts):
-        counted = torch.tensor([layout.counts_once(rank) for layout in layouts], device=totals.device)
-        totals = comm.all_reduce_sum_(totals * counted, group)
+        totals = comm.all_reduce_sum_(totals * _counted_once(tuple(layouts), rank, totals.device), group)
     return normalized, rms_rule_scales(totals, views, eps)
+
+
+@lru_cache(maxsize=256)
+def _counted_once(layouts: tuple[ShardLayout, ...], rank: int, device: torch.device) -> Tensor:
+    """1 where `rank`'s part of a layout's tensor is the one counted in a sum over the ranks, else 0 (bool, on
+    `device`). Made once: copied to a GPU at every step, the host waited for it."""
+    return torch.tensor([layout.counts_once(rank) for layout in layouts], device=device)
 
 
 def _whole_rows(row_squares: list[Tensor], views: Sequence[MatrixView], layouts: Sequence[ShardLayout], rank: int,

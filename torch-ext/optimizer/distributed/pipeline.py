@@ -236,6 +236,5 @@ def _pack(chunk: list[SpreadItem], orthogonal: dict[tuple[int, int], Tensor], sc
           device: torch.device, dtype: torch.dtype) -> Tensor:
     if not scatter.sends:
         return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([orthogonal[piece.item, piece.share][within(piece.box, _share_box(chunk, piece.item,
-                                                                                        piece.share))].reshape(-1)
-                      for piece in scatter.sends])
+    return torch.cat([orthogonal[piece.item, piece.share][within(piece.box, _share_box(chunk, piece.item, piece.share))]
+                      .reshape(-1) for piece in scatter.sends])

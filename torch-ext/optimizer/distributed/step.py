@@ -24,6 +24,7 @@ from .finite import finite_everywhere
 from .layout import ShardLayout, replicated_layout, shard_positions, sharded_layout
 from .pipeline import SpreadItem, SpreadSettings, chunk_pipeline, run_staggered
 
+
 def is_spread(param: Tensor, process_group: dist.ProcessGroup | None) -> bool:
     """Whether the distributed step handles this parameter: a DTensor, or any tensor when a group is given."""
     return is_dtensor(param) or process_group is not None
