@@ -123,15 +123,22 @@ class ShardLayout:
         """The whole tensor in storage order -> in global order."""
         for dim, order in enumerate(self.orders):
             if order is not None:  # the inverse permutation: global index -> storage position
-                stored = stored.index_select(dim, torch.tensor(order, device=stored.device).argsort())
+                stored = stored.index_select(dim, int_tensor_on(order, stored.device).argsort())
         return stored
 
     def to_storage(self, whole: Tensor) -> Tensor:
         """The whole tensor in global order -> in storage order, where `whole[box]` is a rank's local tensor."""
         for dim, order in enumerate(self.orders):
             if order is not None:
-                whole = whole.index_select(dim, torch.tensor(order, device=whole.device))
+                whole = whole.index_select(dim, int_tensor_on(order, whole.device))
         return whole
+
+
+@lru_cache(maxsize=4096)
+def int_tensor_on(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """`values` as an int64 tensor on `device`, made once: the step asks for the same indices and masks every time,
+    and a list copied to a GPU at every step made the host wait for the copy."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def replicated_layout(shape: Sequence[int], world: int) -> ShardLayout:

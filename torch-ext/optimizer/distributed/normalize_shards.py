@@ -5,7 +5,6 @@ are added up over the group's ranks, one all-reduce each, a replicated part coun
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -16,7 +15,7 @@ from ..normalization import normalize, rms_rule_scales, row_squares, second_mome
 from ..routing import MatrixView
 from . import comm
 from .dtensors import local_tensor
-from .layout import Box, ShardLayout, box_numel
+from .layout import Box, ShardLayout, box_numel, int_tensor_on
 
 
 def normalize_shards(updates: Sequence[Tensor], items: Sequence[MuonTensors], layouts: Sequence[ShardLayout],
@@ -35,15 +34,9 @@ def normalize_shards(updates: Sequence[Tensor], items: Sequence[MuonTensors], la
     if totals is None:
         return normalized, None
     if any(layout.is_sharded for layout in layouts):
-        totals = comm.all_reduce_sum_(totals * _counted_once(tuple(layouts), rank, totals.device), group)
+        counted = int_tensor_on(tuple(int(layout.counts_once(rank)) for layout in layouts), totals.device)
+        totals = comm.all_reduce_sum_(totals * counted, group)
     return normalized, rms_rule_scales(totals, views, eps)
-
-
-@lru_cache(maxsize=256)
-def _counted_once(layouts: tuple[ShardLayout, ...], rank: int, device: torch.device) -> Tensor:
-    """1 where `rank`'s part of a layout's tensor is the one counted in a sum over the ranks, else 0 (bool, on
-    `device`). Made once: copied to a GPU at every step, the host waited for it."""
-    return torch.tensor([layout.counts_once(rank) for layout in layouts], device=device)
 
 
 def _whole_rows(row_squares: list[Tensor], views: Sequence[MatrixView], layouts: Sequence[ShardLayout], rank: int,

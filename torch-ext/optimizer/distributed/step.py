@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,7 @@ from . import comm
 from .assignment import plan_spread
 from .dtensors import is_dtensor, is_shard, local_or_none, local_tensor, placed_like
 from .finite import finite_everywhere
-from .layout import ShardLayout, replicated_layout, shard_positions, sharded_layout
+from .layout import ShardLayout, int_tensor_on, replicated_layout, shard_positions, sharded_layout
 from .pipeline import SpreadItem, SpreadSettings, chunk_pipeline, run_staggered
 
 
@@ -133,17 +132,10 @@ def _agreed_local_grads(items: Sequence[MuonTensors], layouts: Sequence[ShardLay
     if not sharded:  # every rank holds the whole gradient: each already sees what the others see
         return grads, everywhere
     flags = finite_everywhere([grads[j] for j in sharded], group)
-    everywhere.index_copy_(0, _index_on(tuple(sharded), everywhere.device), flags)
+    everywhere.index_copy_(0, int_tensor_on(tuple(sharded), everywhere.device), flags)
     for j, flag in zip(sharded, flags.unbind()):
         grads[j] = torch.where(flag > 0, grads[j], math.nan)
     return grads, everywhere
-
-
-@lru_cache(maxsize=256)
-def _index_on(indices: tuple[int, ...], device: torch.device) -> Tensor:
-    """`indices` as an int64 tensor on `device`, made once: indexing a GPU tensor with a list copies it there at
-    every step, and the host waits for the copy."""
-    return torch.tensor(indices, dtype=torch.int64, device=device)
 
 
 def _update_in_place(items: Sequence[tuple[MuonTensors, Tensor, Tensor]], rates: Rates,
