@@ -160,6 +160,17 @@ def test_strided_shard_holds_fsdp_over_tensor_parallel_rows(rows: int) -> None:
         assert torch.equal(layout.to_storage(whole)[layout.boxes[rank]], whole[_global_indices(layout, rank, 0)])
 
 
+def test_a_layout_asked_for_again_is_the_same_object_so_cached_plans_are_found_again() -> None:
+    # Plans are cached on layouts, which compare by identity: a DDP step (plain tensors over a process group) made
+    # a new replicated layout for every parameter at every step, and planned every step anew.
+    assert layout_module.replicated_layout((5, 5), 4) is layout_module.replicated_layout((5, 5), 4)
+    assert (layout_module.sharded_layout((9, 4), (2, 2), (Replicate(), Shard(0)), GRID_2X2)
+            is layout_module.sharded_layout((9, 4), (2, 2), (Replicate(), Shard(0)), GRID_2X2))
+    shares = ((assignment.Share(1),),)
+    first = plan.chunk_exchanges((layout_module.replicated_layout((5, 5), 4),), shares, 0)
+    assert plan.chunk_exchanges((layout_module.replicated_layout((5, 5), 4),), shares, 0) is first
+
+
 def _layouts_for_plan_checks() -> list:
     ranks = (0, 1, 2, 3)
     return [

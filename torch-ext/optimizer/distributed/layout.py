@@ -59,8 +59,9 @@ class ShardLayout:
     """`boxes[r]` is the box, in storage order, of the global tensor (shape `shape`) that rank r holds; boxes may
     repeat (replicas). `orders[d]` maps storage positions of dim d to global indices (None: the same).
 
-    Compared and hashed by identity (slices are unhashable before Python 3.12): `sharded_layout` returns the same
-    object for the same placements, so plans cached on layouts are found again at every step."""
+    Compared and hashed by identity (slices are unhashable before Python 3.12): `sharded_layout` and
+    `replicated_layout` return the same object for the same placements, so plans cached on layouts are found again at
+    every step."""
 
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
@@ -141,8 +142,10 @@ def int_tensor_on(values: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def replicated_layout(shape: Sequence[int], world: int) -> ShardLayout:
-    """A tensor every rank holds whole (DDP)."""
+@lru_cache(maxsize=4096)
+def replicated_layout(shape: tuple[int, ...], world: int) -> ShardLayout:
+    """A tensor every rank holds whole (DDP). Cached, as `sharded_layout` is: a new object at every step missed
+    every plan cached on layouts, and the step planned anew."""
     full = tuple(slice(0, size) for size in shape)
     return ShardLayout(tuple(shape), (full,) * world)
 

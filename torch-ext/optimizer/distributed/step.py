@@ -115,7 +115,7 @@ def check_spread_param(param: Tensor) -> None:
 
 def _layout(param: Tensor, group: dist.ProcessGroup, dims: tuple[int, ...], world: int) -> ShardLayout:
     if not is_dtensor(param):
-        return replicated_layout(param.shape, world)
+        return replicated_layout(tuple(param.shape), world)
     mesh = param.device_mesh
     return sharded_layout(tuple(param.shape), tuple(mesh.shape[i] for i in dims),
                           tuple(param.placements[i] for i in dims), comm.spread_group_ranks(mesh, dims, group))
