@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .distributed.comm import mesh_group
 from .distributed.dtensors import is_dtensor, local_tensor, shard_dim
+from .distributed.layout import local_indices
 from .option_values import as_real
 
 DEFAULT_THRESHOLD = 100.0  # Kimi K2's tau
@@ -112,7 +113,7 @@ def _check_layer(name: Hashable, layer: QKClipLayer) -> None:
 
 
 def _check_placements(name: str, tensor: Tensor) -> None:
-    """A DTensor projection's placements are ones the clip finds its local rows under (`_local_rows`): checked when
+    """A DTensor projection's placements are ones the clip finds its local rows under (`local_indices`): checked when
     the layers are given, not after a step's update."""
     for placement in tensor.placements if is_dtensor(tensor) else ():
         if not placement.is_replicate() and shard_dim(placement) is None:
@@ -206,27 +207,6 @@ def _scale_rows_(tensor: Tensor, row_scales: Tensor) -> None:
     local = local_tensor(tensor)
     if local.numel() == 0:
         return
-    rows = _local_rows(tensor)
+    rows = local_indices(tensor, 0)
     scales = row_scales if rows is None else row_scales[rows]
     local.mul_(scales.view(-1, *([1] * (local.ndim - 1))))
-
-
-def _local_rows(tensor: Tensor) -> Tensor | None:
-    """Global indices of the rank's local rows (dim 0), or None when it holds all of them. Shards of dim 0 on
-    several mesh dims nest in mesh-dim order, each split as torch.chunk splits (DTensor's Shard semantics)."""
-    if not is_dtensor(tensor):
-        return None
-    rows = None
-    coordinate = tensor.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(tensor.placements):
-        if placement.is_replicate():
-            continue
-        dim = shard_dim(placement)  # a Shard: `_check_placements`
-        if dim % tensor.ndim != 0:
-            continue
-        if rows is None:  # made on the device: indexing the scales with it then needs no host-to-device copy
-            rows = torch.arange(tensor.shape[0], device=local_tensor(tensor).device)
-        parts = rows.chunk(tensor.device_mesh.size(mesh_dim))
-        index = coordinate[mesh_dim]
-        rows = parts[index] if index < len(parts) else rows[:0]
-    return rows

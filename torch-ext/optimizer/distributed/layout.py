@@ -227,13 +227,30 @@ def shard_positions(tensor: Tensor) -> Tensor | None:
 def _position_terms(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
                     coordinate: tuple[int, ...], device: torch.device) -> tuple[Tensor, ...]:
     """Per dim, the global indices the shard at mesh `coordinate` holds times the dim's row-major stride, laid along
-    that dim, on `device`. Made once: each step asks for every rounded-state parameter, and copying them to a GPU
-    each time made the host wait for it."""
+    that dim, on `device`. Made once: each step asks for every rounded-state parameter."""
     terms, stride = [], 1
     for dim in reversed(range(len(shape))):
-        splits = [(placement, mesh_shape[m], coordinate[m]) for m, placement in enumerate(placements)
-                  if sharded_tensor_dim(placement, len(shape)) == dim]
-        held = _indices_held(dim, shape[dim], splits) * stride
-        terms.append(held.view((1,) * dim + (-1,) + (1,) * (len(shape) - dim - 1)).to(device))
+        held = _held_on(dim, shape, placements, mesh_shape, coordinate, device) * stride
+        terms.append(held.view((1,) * dim + (-1,) + (1,) * (len(shape) - dim - 1)))
         stride *= shape[dim]
     return tuple(terms)
+
+
+def local_indices(tensor: Tensor, dim: int) -> Tensor | None:
+    """For a DTensor, the global indices along `dim` of this rank's shard, on its device (int64); None for a plain
+    tensor, which holds them all."""
+    if not is_dtensor(tensor):
+        return None
+    mesh = tensor.device_mesh
+    return _held_on(dim, tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape),
+                    tuple(mesh.get_coordinate()), tensor.to_local().device)
+
+
+@lru_cache(maxsize=4096)
+def _held_on(dim: int, shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+             coordinate: tuple[int, ...], device: torch.device) -> Tensor:
+    """`_indices_held` along `dim` by the shard at mesh `coordinate`, on `device`. Made once per layout and device:
+    the step asks every time, and copying them to a GPU at every step made the host wait for it."""
+    splits = [(placement, mesh_shape[m], coordinate[m]) for m, placement in enumerate(placements)
+              if sharded_tensor_dim(placement, len(shape)) == dim]
+    return _indices_held(dim, shape[dim], splits).to(device)
