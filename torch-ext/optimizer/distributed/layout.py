@@ -215,10 +215,9 @@ def shard_positions(tensor: Tensor) -> Tensor | None:
     whichever way the tensor is split. None for a plain tensor: its own indices are the whole tensor's."""
     if not is_dtensor(tensor):
         return None
-    mesh, local = tensor.device_mesh, tensor.to_local()
+    local = tensor.to_local()
     positions = torch.zeros((1,) * tensor.ndim, dtype=torch.int64, device=local.device)
-    for term in _position_terms(tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape),
-                                tuple(mesh.get_coordinate()), local.device):
+    for term in _position_terms(*_shard_of(tensor)):
         positions = positions + term
     return positions.expand(local.shape)
 
@@ -239,11 +238,16 @@ def _position_terms(shape: tuple[int, ...], placements: tuple[Placement, ...], m
 def local_indices(tensor: Tensor, dim: int) -> Tensor | None:
     """For a DTensor, the global indices along `dim` of this rank's shard, on its device (int64); None for a plain
     tensor, which holds them all."""
-    if not is_dtensor(tensor):
-        return None
+    return _held_on(dim, *_shard_of(tensor)) if is_dtensor(tensor) else None
+
+
+def _shard_of(tensor: Tensor) -> tuple[tuple[int, ...], tuple[Placement, ...], tuple[int, ...], tuple[int, ...],
+                                       torch.device]:
+    """What a DTensor's shard follows from, hashable: global shape, placements, mesh shape, this rank's mesh
+    coordinate and its device (the key of `_position_terms` and `_held_on`)."""
     mesh = tensor.device_mesh
-    return _held_on(dim, tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape),
-                    tuple(mesh.get_coordinate()), tensor.to_local().device)
+    return (tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape), tuple(mesh.get_coordinate()),
+            tensor.to_local().device)
 
 
 @lru_cache(maxsize=4096)
