@@ -236,13 +236,14 @@ def test_the_clip_function_refuses_a_layer_whose_weights_do_not_fit_its_heads() 
         optimizer.qk_clip_({0: layer}, {0: torch.tensor([50.0])}, 10.0)
 
 
-def test_a_projection_placed_as_fsdp2_over_tp_places_it_is_refused_when_the_layers_are_given(
+def test_a_projection_placed_as_pending_partial_sums_is_refused_when_the_layers_are_given(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # (_StridedShard(0), Shard(0)): the clip cannot find its rows there, and found out only after a step's update.
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard  # noqa: PLC0415
+    # Partial(): no rank holds the rows' values, so there are no rows to scale; found when the layers are given, not
+    # after a step's update.
+    from torch.distributed.tensor.placement_types import Partial, Shard  # noqa: PLC0415
     qk_clip = submodule(optimizer, "qk_clip")
     _, wq, wk, _, _ = attention_weights(2, 2, seed=1)
-    wq.placements = (_StridedShard(0, split_factor=2), Shard(0))  # as a DTensor's, read by the check
+    wq.placements = (Partial(), Shard(0))  # as a DTensor's, read by the check
     monkeypatch.setattr(qk_clip, "is_dtensor", lambda tensor: hasattr(tensor, "placements"))
-    with pytest.raises(ValueError, match="query: placement _StridedShard"):
+    with pytest.raises(ValueError, match=r"query: placement Partial\(sum\)"):
         qk_clip.resolve_layers({0: QKClipLayer(wq, wk, num_heads=2, head_dim=HEAD_DIM)}, {})

@@ -1,4 +1,5 @@
-"""QK-clip on weights spread over 4 gloo ranks (DTensors sharded on rows, on columns, on 2D meshes, and DDP-style
+"""QK-clip on weights spread over 4 gloo ranks (DTensors sharded on rows, on columns, on 2D meshes (FSDP2 over TP's
+strided rows too), and DDP-style
 replicas) against QK-clip of plain copies on one device. Every rank passes the max logits of its own data; the
 truth clips with the elementwise max over all ranks' logits, which is what the global batch would have measured.
 This module is also the spawned workers' case module (`cases_for`)."""
@@ -15,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from distributed_cases import LONE_STRIDED_SHARD_ACCEPTED
 from spawning import run_cases
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for kernel_under_test in spawned workers
@@ -68,7 +71,8 @@ def dtensor_case(mesh_shape: tuple[int, ...], placements: Sequence[Placement]) -
     params = []
     for tensor in _tensors(seed=0):  # a 1D bias cannot be Shard(1): it stays replicated on that mesh dim
         tensor_placements = [Replicate() if p == Shard(1) and tensor.ndim == 1 else p for p in placements]
-        params.append(distribute_tensor(tensor, mesh, tensor_placements))
+        # Every rank made the same tensors; no scatter (DTensor's scatter needs even strided shards)
+        params.append(distribute_tensor(tensor, mesh, tensor_placements, src_data_rank=None))
     _clip(params, _logits(dist.get_rank()))
     _assert_equal_to_truth(params)
 
@@ -81,14 +85,20 @@ def replicated_case() -> None:
 
 
 def cases_for(world: int) -> dict[str, Callable[[], None]]:
-    return {
+    cases = {
         "shard0_1d": partial(dtensor_case, (world,), [Shard(0)]),
         "shard1_1d": partial(dtensor_case, (world,), [Shard(1)]),
         "mesh2x2_shard0_shard0": partial(dtensor_case, (2, 2), [Shard(0), Shard(0)]),
         "mesh2x2_replicate_shard0": partial(dtensor_case, (2, 2), [Replicate(), Shard(0)]),
         "mesh2x2_shard0_shard1": partial(dtensor_case, (2, 2), [Shard(0), Shard(1)]),
+        # FSDP2 over tensor parallelism on the rows: rank (dp, tp) holds part dp of TP's row block tp, so the
+        # ranks' rows are not in rank order.
+        "mesh2x2_strided_shard0_shard0": partial(dtensor_case, (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
         "replicated_process_group": replicated_case,
     }
+    if LONE_STRIDED_SHARD_ACCEPTED:  # each rank's rows are two runs, one in each half: not one slice
+        cases["strided_shard0_1d"] = partial(dtensor_case, (world,), [_StridedShard(0, split_factor=2)])
+    return cases
 
 
 _outcomes: dict[str, str] = {}
