@@ -106,8 +106,8 @@ def _bad_calls() -> list[tuple[str, dict, str]]:
         codes, scales = torch.zeros(4, 8, dtype=torch.int8), torch.zeros(4, 1)
         call = dict(param=torch.zeros(4, 8), grad=torch.zeros(4, 8), exp_avg=codes, exp_avg_scales=scales,
                     exp_avg_sq=codes.clone(), exp_avg_sq_scales=scales.clone(), rounding_count=torch.tensor([0]),
-                    positions=None, step=torch.tensor(1.0), lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8,
-                    weight_decay=0.0)
+                    row_positions=None, column_positions=None, step=torch.tensor(1.0), lr=0.1, beta1=0.9,
+                    beta2=0.99, eps=1e-8, weight_decay=0.0)
         call.update(changes)
         return call
 
@@ -119,7 +119,14 @@ def _bad_calls() -> list[tuple[str, dict, str]]:
         ("moment shape", arguments(exp_avg=torch.zeros(4, 9, dtype=torch.int8)), "stored must be contiguous, of shape"),
         ("step dtype", arguments(step=torch.tensor(1)), "step must be one float32"),
         ("beta2 of 1", arguments(beta2=1.0), r"beta2 must be in \[0, 1\)"),
-        ("positions shape", arguments(positions=torch.zeros(3, dtype=torch.int64)), "positions must be"),
+        ("rows without columns", arguments(row_positions=torch.zeros(4, dtype=torch.int64)),
+         "row_positions and column_positions must be given together"),
+        ("positions too few", arguments(row_positions=torch.zeros(4, dtype=torch.int64),
+                                        column_positions=torch.zeros(7, dtype=torch.int64)),
+         r"\(4 and 7 entries\) do not cover entries 0 to 32"),
+        ("positions 2D", arguments(row_positions=torch.zeros(4, 1, dtype=torch.int64),
+                                   column_positions=torch.zeros(8, dtype=torch.int64)),
+         "row_positions must be a contiguous 1D int64 tensor"),
     ]
 
 

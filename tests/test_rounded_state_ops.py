@@ -14,6 +14,7 @@ from kernel_under_test import load_cpu_variant, load_fallback_variant, submodule
 from test_native_ops import path  # noqa: F401 (the fixture: compiled and fallback, per device)
 
 state_precision = submodule(load_fallback_variant(), "state_precision")
+EntryPositions = state_precision.EntryPositions
 BLOCK = state_precision.BLOCK
 # A partial last block, whole blocks, and a last dim shorter than one block; 3-dim for lines of lines.
 SHAPES = ((5, 2 * BLOCK + 37), (33, BLOCK), (70, 17), (2, 3, BLOCK + 1))
@@ -40,10 +41,10 @@ def _inputs(form: str, shape: tuple, grad_dtype: torch.dtype, device: str, seed:
 
 
 def _step(native, inputs: dict, update_dtype: torch.dtype, beta: float, nesterov: bool,
-          position: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          positions: EntryPositions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     update = torch.full(inputs["grad"].shape, 7.0, dtype=update_dtype, device=inputs["grad"].device)
     finite = native.muon_momentum_rounded_([inputs["buffer"]], [inputs["scales"]], [inputs["grad"]], [update],
-                                           [inputs["count"]], [position], beta, nesterov)
+                                           [inputs["count"]], [positions], beta, nesterov)
     return update, finite
 
 
@@ -141,17 +142,21 @@ def test_compiled_kernel_matches_the_composition_it_fuses() -> None:
                 assert steps.max().item() <= 1 and steps.float().mean().item() < 1e-3, (form, shape, nesterov)
 
 
-@pytest.mark.parametrize("form", ["bfloat16", "int8"])
-def test_a_shard_with_its_positions_stores_what_the_whole_tensor_does(path, form: str) -> None:
-    # Rows 3..9 of a (12, 300) tensor, given their indices in the whole tensor, round exactly as the whole does.
+@pytest.mark.parametrize("form, columns", [("bfloat16", slice(0, 300)), ("int8", slice(0, 300)),
+                                           ("bfloat16", slice(17, 251))], ids=["rows", "rows-int8", "box"])
+def test_a_shard_with_its_positions_stores_what_the_whole_tensor_does(path, form: str, columns: slice) -> None:
+    # Rows 3..9 of a (12, 300) tensor (and columns 17..250: rows shorter than a block of random bits), given where
+    # they lie in the whole tensor, round exactly as the whole does. int8 blocks lie along whole rows only.
     native, device = path
     whole = _inputs(form, (12, 300), torch.float32, device, 5)
-    shard = {key: value[3:10].clone() if value.dim() else value.clone() for key, value in whole.items()
-             if value is not None} | ({"scales": None} if whole["scales"] is None else {})
-    positions = torch.arange(12 * 300, device=device).view(12, 300)[3:10].contiguous()
+    box = (slice(3, 10), columns)
+    shard = {"buffer": whole["buffer"][box].clone(memory_format=torch.contiguous_format),
+             "grad": whole["grad"][box].clone(memory_format=torch.contiguous_format),
+             "count": whole["count"].clone(), "scales": None if whole["scales"] is None else whole["scales"][3:10].clone()}
+    positions = EntryPositions(torch.arange(3, 10, device=device) * 300, torch.arange(300, device=device)[columns])
     _step(native, whole, torch.float32, 0.95, True)
     _step(native, shard, torch.float32, 0.95, True, positions)
-    assert torch.equal(shard["buffer"], whole["buffer"][3:10])
+    assert torch.equal(shard["buffer"], whole["buffer"][box])
     assert shard["scales"] is None or torch.equal(shard["scales"], whole["scales"][3:10])
 
 
@@ -178,17 +183,21 @@ def test_a_nonfinite_gradient_skips_its_tensor_only(path, form: str) -> None:
 def _bad_calls() -> list[tuple[str, dict, str]]:
     codes = torch.zeros(2, BLOCK + 1, dtype=torch.int8)
     good = {"buffers": [codes], "scales": [torch.zeros(2, 2)], "grads": [torch.zeros(2, BLOCK + 1)],
-            "updates": [torch.zeros(2, BLOCK + 1)], "counts": [torch.tensor(0)], "positions": [None]}
+            "updates": [torch.zeros(2, BLOCK + 1)], "counts": [torch.tensor(0)], "rows": [None], "columns": [None]}
+    rows, columns = torch.arange(2) * (BLOCK + 1), torch.arange(BLOCK + 1)
     return [
         ("float32 buffer", good | {"buffers": [torch.zeros(2, BLOCK + 1)]}, r"momentum_buffers\[0\] has dtype"),
         ("scales missing", good | {"scales": [None]}, r"scales\[0\] must be given"),
         ("scales for bf16", good | {"buffers": [codes.bfloat16()]}, r"scales\[0\] must be None"),
         ("scales shape", good | {"scales": [torch.zeros(2, 1)]}, r"scales\[0\] must be a contiguous float32"),
         ("count dtype", good | {"counts": [torch.tensor(0.0)]}, r"rounding_counts\[0\] must be one int64"),
-        ("positions dtype", good | {"positions": [torch.zeros(2, BLOCK + 1, dtype=torch.int32)]},
-         r"positions\[0\] must be a contiguous int64"),
+        ("positions dtype", good | {"rows": [rows.int()], "columns": [columns]},
+         r"row_positions\[0\] must be a contiguous 1D int64"),
+        ("columns alone", good | {"columns": [columns]},
+         r"row_positions\[0\] and column_positions\[0\] must be given together"),
+        ("positions too few", good | {"rows": [rows[:1]], "columns": [columns]}, r"do not cover entries 0 to 514"),
         ("grad shape", good | {"grads": [torch.zeros(2, BLOCK)]}, r"grads\[0\] has shape"),
-        ("list lengths", good | {"counts": []}, "scales, rounding_counts and positions have"),
+        ("list lengths", good | {"counts": []}, "scales, rounding_counts, row_positions and column_positions have"),
     ]
 
 
@@ -198,8 +207,8 @@ def test_compiled_op_rejects_bad_arguments_naming_them(case) -> None:
     ops = submodule(load_cpu_variant(), "_ops").ops
     with pytest.raises(ValueError, match=message):
         ops.muon_momentum_rounded_(arguments["buffers"], arguments["scales"], arguments["grads"],
-                                   arguments["updates"], torch.zeros(1), arguments["counts"], arguments["positions"],
-                                   0.9, False)
+                                   arguments["updates"], torch.zeros(1), arguments["counts"], arguments["rows"],
+                                   arguments["columns"], 0.9, False)
 
 
 def test_compiled_op_really_runs(path) -> None:
@@ -237,7 +246,11 @@ def test_compiled_moment_ops_match_the_tensor_ops_bit_for_bit(key: str, form: st
         stored, scales, values = _moment(key, form, shape, seed)
         loaded = [native.load_moment(key, stored, scales) for native in (compiled, fallback)]
         assert torch.equal(loaded[0], loaded[1]), (key, form, shape)
-        for positions, offset in ((None, 0), (None, 1000), (torch.randperm(values.numel()).view(shape), 0)):
+        # A shard's positions with 7 columns (a block's bits drawn from several rows) and room for a chunk at 1000.
+        generator = torch.Generator().manual_seed(seed)
+        shard = EntryPositions(torch.randint(0, 2 ** 40, ((values.numel() + 1000) // 7 + 1,), generator=generator),
+                               torch.randint(0, 2 ** 20, (7,), generator=generator))
+        for positions, offset in ((None, 0), (None, 1000), (shard, 0), (shard, 1000)):
             for taken in (1.0, 0.0):
                 results = []
                 for native in (compiled, fallback):

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -28,6 +29,29 @@ void check_tensor(const at::Tensor& tensor, const char* name, size_t index, cons
   TORCH_CHECK_VALUE(is_supported_dtype(tensor.scalar_type()), "muon_momentum_: ", name, "[", index,
                     "] has dtype ", tensor.scalar_type(), " (expected float32, float64, bfloat16 or float16)");
   TORCH_CHECK_VALUE(tensor.is_contiguous(), "muon_momentum_: ", name, "[", index, "] must be contiguous");
+}
+
+// A shard's positions in the whole tensor (muon_rounding::EntryPositions): row and column positions, both int64
+// vectors, contiguous, on `device`, covering the `count` entries of a write that starts `offset` entries into the
+// shard (an empty shard's columns may be empty: nothing is divided by their count); or neither. `index` is the suffix
+// of a list's item ("[2]"), else empty.
+void check_positions(const char* op, const std::string& index, const std::optional<at::Tensor>& rows,
+                     const std::optional<at::Tensor>& columns, int64_t offset, int64_t count,
+                     const c10::Device& device) {
+  TORCH_CHECK_VALUE(rows.has_value() == columns.has_value(), op, ": row_positions", index, " and column_positions",
+                    index, " must be given together");
+  if (!rows.has_value()) {
+    return;
+  }
+  for (const auto& [name, positions] : {std::pair{"row_positions", *rows}, std::pair{"column_positions", *columns}}) {
+    TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
+                          positions.device() == device,
+                      op, ": ", name, index, " must be a contiguous 1D int64 tensor on ", device, ", got ",
+                      positions.scalar_type(), " of shape ", positions.sizes(), " on ", positions.device());
+  }
+  TORCH_CHECK_VALUE(offset + count <= rows->numel() * columns->numel(), op,
+                    ": row_positions", index, " and column_positions", index, " (", rows->numel(), " and ",
+                    columns->numel(), " entries) do not cover entries ", offset, " to ", offset + count);
 }
 
 // The per-tensor flags every op writes (or reads): one float32 per tensor, where the tensors are.
@@ -71,7 +95,8 @@ void check_muon_momentum_args(at::TensorList momentum_buffers, at::TensorList gr
 
 // The stored forms' extra arguments, on top of check_muon_momentum_args' rules for the lists and the flags.
 void check_rounded_item(const at::Tensor& buffer, const std::optional<at::Tensor>& scales, const at::Tensor& count,
-                        const std::optional<at::Tensor>& position, size_t i, const at::Tensor& finite) {
+                        const std::optional<at::Tensor>& row_positions,
+                        const std::optional<at::Tensor>& column_positions, size_t i, const at::Tensor& finite) {
   const bool quantized = buffer.scalar_type() == at::kChar;
   TORCH_CHECK_VALUE(quantized || buffer.scalar_type() == at::kBFloat16, "muon_momentum_rounded_: momentum_buffers[",
                     i, "] has dtype ", buffer.scalar_type(), " (expected bfloat16, or int8 codes with scales)");
@@ -94,27 +119,25 @@ void check_rounded_item(const at::Tensor& buffer, const std::optional<at::Tensor
   TORCH_CHECK_VALUE(count.scalar_type() == at::kLong && count.numel() == 1 && count.device() == finite.device(),
                     "muon_momentum_rounded_: rounding_counts[", i, "] must be one int64 on ", finite.device(), ", got ",
                     count.scalar_type(), " of shape ", count.sizes(), " on ", count.device());
-  if (position.has_value()) {
-    TORCH_CHECK_VALUE(position->scalar_type() == at::kLong &&
-                          position->device() == finite.device() && position->is_contiguous() &&
-                          position->sizes() == buffer.sizes(),
-                      "muon_momentum_rounded_: positions[", i, "] must be a contiguous int64 tensor of shape ",
-                      buffer.sizes(), " on ", finite.device(), ", got ", position->scalar_type(), " of shape ",
-                      position->sizes(), " on ", position->device());
-  }
+  check_positions("muon_momentum_rounded_", "[" + std::to_string(i) + "]", row_positions, column_positions, 0,
+                  buffer.numel(), finite.device());
 }
 
 // Shared by every backend. The grads may have any supported dtype, whatever the stored form.
 void check_muon_momentum_rounded_args(at::TensorList momentum_buffers, const OptionalTensors& scales,
                                       at::TensorList grads, at::TensorList updates, const at::Tensor& finite,
-                                      at::TensorList rounding_counts, const OptionalTensors& positions, double beta) {
+                                      at::TensorList rounding_counts, const OptionalTensors& row_positions,
+                                      const OptionalTensors& column_positions, double beta) {
   const size_t count = momentum_buffers.size();
-  TORCH_CHECK_VALUE(scales.size() == count && rounding_counts.size() == count && positions.size() == count,
-                    "muon_momentum_rounded_: scales, rounding_counts and positions have ", scales.size(), ", ",
-                    rounding_counts.size(), " and ", positions.size(), " entries but momentum_buffers has ", count);
+  TORCH_CHECK_VALUE(scales.size() == count && rounding_counts.size() == count && row_positions.size() == count &&
+                        column_positions.size() == count,
+                    "muon_momentum_rounded_: scales, rounding_counts, row_positions and column_positions have ",
+                    scales.size(), ", ", rounding_counts.size(), ", ", row_positions.size(), " and ",
+                    column_positions.size(), " entries but momentum_buffers has ", count);
   check_momentum_lists("muon_momentum_rounded_", momentum_buffers, grads, updates, finite, beta);
   for (size_t i = 0; i < count; ++i) {
-    check_rounded_item(momentum_buffers[i], scales.get(i), rounding_counts[i], positions.get(i), i, finite);
+    check_rounded_item(momentum_buffers[i], scales.get(i), rounding_counts[i], row_positions.get(i),
+                       column_positions.get(i), i, finite);
     check_tensor(grads[i], "grads", i, finite);
     check_tensor(updates[i], "updates", i, finite);
     for (const auto& [name, tensor] : {std::pair{"grads", grads[i]}, std::pair{"updates", updates[i]}}) {
@@ -177,8 +200,9 @@ void checked_load_moment(at::Tensor& out, const at::Tensor& stored, const std::o
 
 template <StoreMomentImpl impl>
 void checked_store_moment(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
-                          const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
-                          int64_t position_offset, const at::Tensor& taken, c10::string_view code_name) {
+                          const at::Tensor& rounding_count, const std::optional<at::Tensor>& row_positions,
+                          const std::optional<at::Tensor>& column_positions, int64_t position_offset,
+                          const at::Tensor& taken, c10::string_view code_name) {
   const MomentCode code = moment_code(code_name);
   check_stored_moment("store_moment_", stored, scales, values, code);
   TORCH_CHECK_VALUE(rounding_count.scalar_type() == at::kLong && rounding_count.numel() == 1 &&
@@ -188,13 +212,10 @@ void checked_store_moment(at::Tensor& stored, const std::optional<at::Tensor>& s
   TORCH_CHECK_VALUE(taken.scalar_type() == at::kFloat && taken.numel() == 1 && taken.device() == values.device(),
                     "store_moment_: taken must be one float32 on ", values.device(), ", got ", taken.scalar_type(),
                     " of shape ", taken.sizes());
-  if (positions.has_value()) {
-    TORCH_CHECK_VALUE(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
-                          positions->sizes() == stored.sizes() && positions->device() == values.device(),
-                      "store_moment_: positions must be a contiguous int64 tensor of shape ", stored.sizes(), ", got ",
-                      positions->scalar_type(), " of shape ", positions->sizes());
-  }
-  impl(stored, scales, values, rounding_count, positions, position_offset, taken, code);
+  TORCH_CHECK_VALUE(position_offset >= 0, "store_moment_: position_offset must be >= 0, got ", position_offset);
+  check_positions("store_moment_", "", row_positions, column_positions, position_offset, stored.numel(),
+                  values.device());
+  impl(stored, scales, values, rounding_count, row_positions, column_positions, position_offset, taken, code);
 }
 
 // The tensors an op only reads, one result per tensor: contiguous, of a supported dtype, where the results are.
@@ -236,10 +257,12 @@ void checked_muon_momentum(at::TensorList momentum_buffers, at::TensorList grads
 template <MuonMomentumRoundedImpl impl>
 void checked_muon_momentum_rounded(at::TensorList momentum_buffers, const OptionalTensors& scales,
                                    at::TensorList grads, at::TensorList updates, const at::Tensor& finite,
-                                   at::TensorList rounding_counts, const OptionalTensors& positions, double beta,
-                                   bool nesterov) {
-  check_muon_momentum_rounded_args(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions, beta);
-  impl(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions, beta, nesterov);
+                                   at::TensorList rounding_counts, const OptionalTensors& row_positions,
+                                   const OptionalTensors& column_positions, double beta, bool nesterov) {
+  check_muon_momentum_rounded_args(momentum_buffers, scales, grads, updates, finite, rounding_counts, row_positions,
+                                   column_positions, beta);
+  impl(momentum_buffers, scales, grads, updates, finite, rounding_counts, row_positions, column_positions, beta,
+       nesterov);
 }
 
 // The bytes [begin, end) a tensor's elements can occupy (a superset for gapped strides: a safe answer for overlap).
@@ -413,7 +436,8 @@ void check_adamw_betas(const char* op, double beta1, double beta2) {
 void check_adamw_rounded_args(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                               const std::optional<at::Tensor>& exp_avg_scales, const at::Tensor& exp_avg_sq,
                               const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
-                              const std::optional<at::Tensor>& positions, const at::Tensor& step, double beta1,
+                              const std::optional<at::Tensor>& row_positions,
+                              const std::optional<at::Tensor>& column_positions, const at::Tensor& step, double beta1,
                               double beta2) {
   const char* op = "adamw_rounded_";
   for (const auto& [name, tensor] : {std::pair{"param", param}, std::pair{"grad", grad}}) {
@@ -435,11 +459,7 @@ void check_adamw_rounded_args(const at::Tensor& param, const at::Tensor& grad, c
   TORCH_CHECK_VALUE(step.scalar_type() == at::kFloat && step.numel() == 1 && step.device() == param.device(), op,
                     ": step must be one float32 on ", param.device(), ", got ", step.scalar_type(), " of shape ",
                     step.sizes());
-  if (positions.has_value()) {
-    TORCH_CHECK_VALUE(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
-                          positions->sizes() == param.sizes() && positions->device() == param.device(),
-                      op, ": positions must be a contiguous int64 tensor of shape ", param.sizes());
-  }
+  check_positions(op, "", row_positions, column_positions, 0, param.numel(), param.device());
   check_adamw_betas(op, beta1, beta2);
 }
 
@@ -447,12 +467,13 @@ template <AdamWRoundedImpl impl>
 void checked_adamw_rounded(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                            const std::optional<at::Tensor>& exp_avg_scales, at::Tensor& exp_avg_sq,
                            const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
-                           const std::optional<at::Tensor>& positions, const at::Tensor& step, double lr, double beta1,
-                           double beta2, double eps, double weight_decay) {
+                           const std::optional<at::Tensor>& row_positions,
+                           const std::optional<at::Tensor>& column_positions, const at::Tensor& step, double lr,
+                           double beta1, double beta2, double eps, double weight_decay) {
   check_adamw_rounded_args(param, grad, exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count,
-                           positions, step, beta1, beta2);
-  impl(param, grad, exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count, positions, step, lr, beta1,
-       beta2, eps, weight_decay);
+                           row_positions, column_positions, step, beta1, beta2);
+  impl(param, grad, exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count, row_positions,
+       column_positions, step, lr, beta1, beta2, eps, weight_decay);
 }
 
 void check_adamw_checked_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -514,8 +535,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   // The same step on bfloat16 or int8-coded momentum (with block scales), stored back stochastically rounded.
   ops.def(
       "muon_momentum_rounded_(Tensor(a!)[] momentum_buffers, Tensor(b!)?[] scales, Tensor[] grads, "
-      "Tensor(c!)[] updates, Tensor(d!) finite, Tensor[] rounding_counts, Tensor?[] positions, float beta, "
-      "bool nesterov) -> ()");
+      "Tensor(c!)[] updates, Tensor(d!) finite, Tensor[] rounding_counts, Tensor?[] row_positions, "
+      "Tensor?[] column_positions, float beta, bool nesterov) -> ()");
   // out = alpha * X X^T + beta * C, written whole and exactly symmetric; C (symmetric) and beta are ignored when
   // C is None, and then out's old contents are never read.
   ops.def("symmetric_gram_(Tensor(a!) out, Tensor X, Tensor? C, float alpha, float beta) -> ()");
@@ -527,15 +548,16 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def("load_moment_(Tensor(a!) out, Tensor stored, Tensor? scales, str code) -> ()");
   // The moment <- values, rounded at random; untouched where taken is 0.
   ops.def(
-      "store_moment_(Tensor(a!) stored, Tensor(b!)? scales, Tensor values, Tensor rounding_count, Tensor? positions, "
-      "int position_offset, Tensor taken, str code) -> ()");
+      "store_moment_(Tensor(a!) stored, Tensor(b!)? scales, Tensor values, Tensor rounding_count, "
+      "Tensor? row_positions, Tensor? column_positions, int position_offset, Tensor taken, str code) -> ()");
   // params[i] <- params[i] * decay[i] + step_sizes[i] * updates[i], rounded after the decay and after the add.
   ops.def("apply_update_(Tensor(a!)[] params, Tensor[] updates, Tensor decay, Tensor step_sizes) -> ()");
   // One AdamW step on moments stored in fewer bytes, read, stepped and stored back rounded in one pass.
   ops.def(
       "adamw_rounded_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!)? exp_avg_scales, "
-      "Tensor(d!) exp_avg_sq, Tensor(e!)? exp_avg_sq_scales, Tensor rounding_count, Tensor? positions, Tensor step, "
-      "float lr, float beta1, float beta2, float eps, float weight_decay) -> ()");
+      "Tensor(d!) exp_avg_sq, Tensor(e!)? exp_avg_sq_scales, Tensor rounding_count, Tensor? row_positions, "
+      "Tensor? column_positions, Tensor step, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay) -> ()");
   // AdamW's step on moments stored as they are, each gradient checked first where `check` (see torch_binding.h);
   // lr and weight_decay one for every parameter or one per parameter (param groups sharing the call).
   ops.def(

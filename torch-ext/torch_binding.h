@@ -20,7 +20,8 @@ void muon_momentum_cuda(at::TensorList momentum_buffers, at::TensorList grads, a
 // momentum_buffers[i] is bfloat16 (scales[i] absent) or int8 linear codes -127..127 with a float32 scale per block of
 // kRoundedBlock entries along the last dim (scales[i] of shape (*shape[:-1], ceil(shape[-1] / kRoundedBlock))). The
 // momentum is stepped in float32 from the stored values, the update written from that float32 value, and the new
-// momentum stored back rounded at random with bits hashed from each entry's position (positions[i], int64, or its index
+// momentum stored back rounded at random with bits hashed from each entry's position in the whole tensor
+// (row_positions[i] and column_positions[i], int64 vectors, as muon_rounding::EntryPositions reads them; its index
 // when absent) and *rounding_counts[i] (int64, read on the device). A non-finite gradient leaves buffer and scales
 // untouched and zeroes the update; finite[i] tells which. The counts are not moved: the caller moves them.
 constexpr int64_t kRoundedBlock = 256;
@@ -29,41 +30,47 @@ using OptionalTensors = c10::List<std::optional<at::Tensor>>;
 
 using MuonMomentumRoundedImpl = void (*)(at::TensorList momentum_buffers, const OptionalTensors& scales,
                                          at::TensorList grads, at::TensorList updates, const at::Tensor& finite,
-                                         at::TensorList rounding_counts, const OptionalTensors& positions, double beta,
-                                         bool nesterov);
+                                         at::TensorList rounding_counts, const OptionalTensors& row_positions,
+                                         const OptionalTensors& column_positions, double beta, bool nesterov);
 
 void muon_momentum_rounded_cpu(at::TensorList momentum_buffers, const OptionalTensors& scales, at::TensorList grads,
                                at::TensorList updates, const at::Tensor& finite, at::TensorList rounding_counts,
-                               const OptionalTensors& positions, double beta, bool nesterov);
+                               const OptionalTensors& row_positions, const OptionalTensors& column_positions,
+                               double beta, bool nesterov);
 
 void muon_momentum_rounded_cuda(at::TensorList momentum_buffers, const OptionalTensors& scales, at::TensorList grads,
                                 at::TensorList updates, const at::Tensor& finite, at::TensorList rounding_counts,
-                                const OptionalTensors& positions, double beta, bool nesterov);
+                                const OptionalTensors& row_positions, const OptionalTensors& column_positions,
+                                double beta, bool nesterov);
 
 // A moment kept in fewer bytes, read into and written from float32, for the optimizer steps that do their math on a
 // float32 working copy (AdamW's, through torch's fused kernel). `code` names the stored form: "bfloat16" (a bfloat16
 // tensor, no scales), or int8 codes with a float32 scale per block as for the momentum: "linear" (-127..127),
 // "e4m3" (float8 e4m3 values) or "e4m3_root" (e4m3 values of the square root). Writing rounds at random with bits
-// hashed from each entry's position (positions, int64, or position_offset + its index when absent) and
+// hashed from each entry's position (row_positions and column_positions from position_offset on, as
+// muon_rounding::EntryPositions reads them, or position_offset + its index when absent) and
 // *rounding_count; nothing is written where *taken (float32, one element) is 0.
 enum class MomentCode { kBFloat16, kLinear, kE4m3, kE4m3Root };
 
 using LoadMomentImpl = void (*)(at::Tensor& out, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
                                 MomentCode code);
 using StoreMomentImpl = void (*)(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
-                                 const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
-                                 int64_t position_offset, const at::Tensor& taken, MomentCode code);
+                                 const at::Tensor& rounding_count, const std::optional<at::Tensor>& row_positions,
+                                 const std::optional<at::Tensor>& column_positions, int64_t position_offset,
+                                 const at::Tensor& taken, MomentCode code);
 
 void load_moment_cpu(at::Tensor& out, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
                      MomentCode code);
 void store_moment_cpu(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
-                      const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
-                      int64_t position_offset, const at::Tensor& taken, MomentCode code);
+                      const at::Tensor& rounding_count, const std::optional<at::Tensor>& row_positions,
+                      const std::optional<at::Tensor>& column_positions, int64_t position_offset,
+                      const at::Tensor& taken, MomentCode code);
 void load_moment_cuda(at::Tensor& out, const at::Tensor& stored, const std::optional<at::Tensor>& scales,
                       MomentCode code);
 void store_moment_cuda(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
-                       const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
-                       int64_t position_offset, const at::Tensor& taken, MomentCode code);
+                       const at::Tensor& rounding_count, const std::optional<at::Tensor>& row_positions,
+                       const std::optional<at::Tensor>& column_positions, int64_t position_offset,
+                       const at::Tensor& taken, MomentCode code);
 
 // out = alpha * X X^T + beta * C (beta and C ignored when C is absent), out and C symmetric: X (m, k) or (B, m, k).
 using SymmetricGramImpl = void (*)(at::Tensor& out, const at::Tensor& X, const std::optional<at::Tensor>& C,
@@ -128,19 +135,21 @@ void normalize_rows_cpu(at::TensorList updates, at::TensorList moments, const at
 // or int8 e4m3 codes with a float32 scale per block of kRoundedBlock entries along the last dim, the second moment's
 // codes holding its square root. Read, stepped in float32 with the parameter (lr, betas, eps and decoupled
 // weight_decay as torch's AdamW; *step, float32, already counts this step), and stored back rounded at random as
-// `store_moment_` does, salted by *rounding_count and each entry's position (positions, or its index). The count is
-// not moved.
+// `store_moment_` does, salted by *rounding_count and each entry's position (row_positions and column_positions, or
+// its index). The count is not moved.
 using AdamWRoundedImpl = void (*)(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                                   const std::optional<at::Tensor>& exp_avg_scales, at::Tensor& exp_avg_sq,
                                   const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
-                                  const std::optional<at::Tensor>& positions, const at::Tensor& step, double lr,
+                                  const std::optional<at::Tensor>& row_positions,
+                                  const std::optional<at::Tensor>& column_positions, const at::Tensor& step, double lr,
                                   double beta1, double beta2, double eps, double weight_decay);
 
 void adamw_rounded_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                        const std::optional<at::Tensor>& exp_avg_scales, at::Tensor& exp_avg_sq,
                        const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
-                       const std::optional<at::Tensor>& positions, const at::Tensor& step, double lr, double beta1,
-                       double beta2, double eps, double weight_decay);
+                       const std::optional<at::Tensor>& row_positions,
+                       const std::optional<at::Tensor>& column_positions, const at::Tensor& step, double lr,
+                       double beta1, double beta2, double eps, double weight_decay);
 
 // AdamW's step (torch's fused AdamW arithmetic, decoupled weight decay; bfloat16 computed in float32) on parameters
 // whose moments are stored as they are: params[i], grads[i], exp_avgs[i] and exp_avg_sqs[i] contiguous, of one shape

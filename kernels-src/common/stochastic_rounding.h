@@ -38,6 +38,42 @@ MUON_HOST_DEVICE uint32_t random_bits(int64_t position, int64_t count) {
   return mix(mix(static_cast<uint32_t>(position)) ^ (static_cast<uint32_t>(count) * kGolden));
 }
 
+// Where each entry of a write lies in the whole tensor: the position its random bits are hashed from, which makes a
+// rounding the same whichever way the tensor is split. Entry j of a write that starts `offset` entries into a shard,
+// with (r, c) = divmod(offset + j, column_count), lies at rows[r] + columns[c]: two short vectors (a shard's rows and
+// columns, each dim's global index times its stride) where a shard-sized int64 tensor took 8 bytes per entry. Without
+// them (a whole tensor), at offset + j.
+struct EntryPositions {
+  const int64_t* rows;  // null: offset + j
+  const int64_t* columns;
+  int64_t column_count;
+  int64_t offset;
+
+  MUON_HOST_DEVICE int64_t operator()(int64_t j) const {
+    const int64_t k = offset + j;
+    if (rows == nullptr) {
+      return k;
+    }
+#if defined(__CUDA_ARCH__)
+    if (((k | column_count) >> 32) == 0) {  // a 32-bit division: a fraction of the 64-bit one's instructions
+      const auto row = static_cast<uint32_t>(k) / static_cast<uint32_t>(column_count);
+      return rows[row] + columns[static_cast<uint32_t>(k) - row * static_cast<uint32_t>(column_count)];
+    }
+#endif
+    return rows[k / column_count] + columns[k % column_count];
+  }
+};
+
+// A backend's EntryPositions from its optional int64 tensors (both given, contiguous, or neither), host only.
+template <typename OptionalTensor>
+EntryPositions entry_positions(const OptionalTensor& rows, const OptionalTensor& columns, int64_t offset) {
+  if (!rows.has_value()) {
+    return {nullptr, nullptr, 1, offset};
+  }
+  return {rows->template const_data_ptr<int64_t>(), columns->template const_data_ptr<int64_t>(), columns->numel(),
+          offset};
+}
+
 // Uniform in [0, 1) from the upper 24 of the 32 bits: exact in float. Converted as a signed integer (it fits), which
 // x86 vectorizes before AVX-512; an unsigned one kept every CPU loop around it scalar.
 MUON_HOST_DEVICE float fraction(uint32_t bits) {

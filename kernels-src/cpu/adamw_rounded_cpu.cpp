@@ -102,11 +102,12 @@ void step_codes(param_t* param, const grad_t* grad, int8_t* codes_m, int8_t* cod
 void adamw_rounded_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                        const std::optional<at::Tensor>& exp_avg_scales, at::Tensor& exp_avg_sq,
                        const std::optional<at::Tensor>& exp_avg_sq_scales, const at::Tensor& rounding_count,
-                       const std::optional<at::Tensor>& positions, const at::Tensor& step, double lr, double beta1,
-                       double beta2, double eps, double weight_decay) {
+                       const std::optional<at::Tensor>& row_positions,
+                       const std::optional<at::Tensor>& column_positions, const at::Tensor& step, double lr,
+                       double beta1, double beta2, double eps, double weight_decay) {
   const AdamWRule rule(lr, beta1, beta2, eps, weight_decay, static_cast<double>(*step.const_data_ptr<float>()));
   const muon_cpu::Salt salt{*rounding_count.const_data_ptr<int64_t>(),
-                            positions.has_value() ? positions->const_data_ptr<int64_t>() : nullptr, 0};
+                            muon_rounding::entry_positions(row_positions, column_positions, 0)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, param.scalar_type(), "adamw_rounded_cpu", [&] {
     using param_t = scalar_t;
     auto* param_data = param.mutable_data_ptr<param_t>();

@@ -88,13 +88,14 @@ void load_moment_cpu(at::Tensor& out, const at::Tensor& stored, const std::optio
 }
 
 void store_moment_cpu(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
-                      const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
-                      int64_t position_offset, const at::Tensor& taken, MomentCode code) {
+                      const at::Tensor& rounding_count, const std::optional<at::Tensor>& row_positions,
+                      const std::optional<at::Tensor>& column_positions, int64_t position_offset,
+                      const at::Tensor& taken, MomentCode code) {
   if (*taken.const_data_ptr<float>() == 0.0f) {
     return;
   }
   const Salt salt{*rounding_count.const_data_ptr<int64_t>(),
-                  positions.has_value() ? positions->const_data_ptr<int64_t>() : nullptr, position_offset};
+                  muon_rounding::entry_positions(row_positions, column_positions, position_offset)};
   const float* source = values.const_data_ptr<float>();
   if (code == MomentCode::kBFloat16) {
     auto* bits = reinterpret_cast<uint16_t*>(stored.mutable_data_ptr<at::BFloat16>());

@@ -26,23 +26,30 @@ struct Blocks {
   int64_t length(int64_t block) const { return std::min(kRoundedBlock, line - block % per_line * kRoundedBlock); }
 };
 
-// Where the random bits of entry j come from: its index in the whole tensor and the count of rounded writes.
+// Where the random bits of entry j come from: its position in the whole tensor and the count of rounded writes.
 struct Salt {
   int64_t rounding_count;
-  const int64_t* positions;  // null: the entry's index plus position_offset
-  int64_t position_offset;
+  muon_rounding::EntryPositions positions;
 
-  // The bits of entries [first, first + length), length <= kRoundedBlock: one loop per source of the index, as a
-  // choice inside the loop would keep it from vectorizing.
+  // The bits of entries [first, first + length), length <= kRoundedBlock: one loop per source of the position, and
+  // one per run of a shard's row, as a choice or a division inside the loop would keep it from vectorizing.
   C10_ALWAYS_INLINE void fill(uint32_t* __restrict__ bits, int64_t first, int64_t length) const {
-    if (positions == nullptr) {
+    const int64_t start = positions.offset + first;
+    if (positions.rows == nullptr) {
       for (int64_t t = 0; t < length; ++t) {
-        bits[t] = muon_rounding::random_bits(position_offset + first + t, rounding_count);
+        bits[t] = muon_rounding::random_bits(start + t, rounding_count);
       }
-    } else {
-      for (int64_t t = 0; t < length; ++t) {
-        bits[t] = muon_rounding::random_bits(positions[first + t], rounding_count);
+      return;
+    }
+    int64_t row = start / positions.column_count, column = start % positions.column_count;
+    for (int64_t t = 0; t < length; column = 0, ++row) {
+      const int64_t run = std::min(length - t, positions.column_count - column);
+      const int64_t row_position = positions.rows[row];
+      const int64_t* __restrict__ columns = positions.columns + column;
+      for (int64_t u = 0; u < run; ++u) {
+        bits[t + u] = muon_rounding::random_bits(row_position + columns[u], rounding_count);
       }
+      t += run;
     }
   }
 };

@@ -114,7 +114,8 @@ void step_tensor(const at::Tensor& buffer, const std::optional<at::Tensor>& scal
 
 void muon_momentum_rounded_cpu(at::TensorList momentum_buffers, const OptionalTensors& scales, at::TensorList grads,
                                at::TensorList updates, const at::Tensor& finite, at::TensorList rounding_counts,
-                               const OptionalTensors& positions, double beta, bool nesterov) {
+                               const OptionalTensors& row_positions, const OptionalTensors& column_positions,
+                               double beta, bool nesterov) {
   float* flags = finite.mutable_data_ptr<float>();
   for (size_t i = 0; i < grads.size(); ++i) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grads[i].scalar_type(), "muon_momentum_rounded_cpu", [&] {
@@ -126,9 +127,8 @@ void muon_momentum_rounded_cpu(at::TensorList momentum_buffers, const OptionalTe
         updates[i].zero_();  // the stored momentum and its scales keep their values
         return;
       }
-      const std::optional<at::Tensor> position = positions.get(i);
       const muon_cpu::Salt salt{*rounding_counts[i].const_data_ptr<int64_t>(),
-                                position.has_value() ? position->const_data_ptr<int64_t>() : nullptr, 0};
+                                muon_rounding::entry_positions(row_positions.get(i), column_positions.get(i), 0)};
       const StepRule rule{Lerp<float>(1.0 - beta), Lerp<float>(beta), nesterov, salt};
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, updates[i].scalar_type(), "muon_momentum_rounded_cpu",
                                       [&] {

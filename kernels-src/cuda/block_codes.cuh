@@ -8,13 +8,6 @@ namespace muon_cuda {
 
 constexpr int kWarp = 32;
 
-// Entry j's position for the random bits: positions[j] (int64), or offset + j where there are no positions.
-struct Positions {
-  const int64_t* data;  // null: offset + the entry's flat index
-  int64_t offset;
-  __device__ __forceinline__ int64_t operator()(int64_t j) const { return data == nullptr ? offset + j : data[j]; }
-};
-
 // torch.amax's max: a NaN wins (the scale is then NaN, and the block's codes 0, as torch.where gives them).
 __device__ __forceinline__ float max_with_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 

@@ -15,6 +15,8 @@
 namespace muon_cuda {
 namespace {
 
+using muon_rounding::EntryPositions;
+
 constexpr int kBlockThreads = static_cast<int>(kMomentBlock);  // one thread per entry of an int8 block
 
 template <Int8Code kCode>
@@ -49,7 +51,7 @@ __global__ void store_bfloat16_kernel(uint16_t* __restrict__ stored, const float
   if (*write.taken == 0.0f) {
     return;
   }
-  const Positions position{write.positions, write.position_offset};
+  const EntryPositions position = write.positions;
   const int64_t rounding_count = *write.rounding_count;
   for (int64_t j = first_index(); j < numel; j += grid_stride()) {
     const uint32_t bits = muon_rounding::random_bits(position(j), rounding_count);
@@ -66,7 +68,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     return;
   }
   __shared__ float partial[kBlockThreads / kWarp];
-  const Positions position{write.positions, write.position_offset};
+  const EntryPositions position = write.positions;
   const int64_t rounding_count = *write.rounding_count;
   constexpr float kLargestCode = kCode == Int8Code::kLinear ? muon_rounding::kLinearMax : muon_rounding::kE4m3Max;
   for (int64_t block = blockIdx.x; block < block_count; block += gridDim.x) {

@@ -48,13 +48,13 @@ void load_moment_cuda(at::Tensor& out, const at::Tensor& stored, const std::opti
 }
 
 void store_moment_cuda(at::Tensor& stored, const std::optional<at::Tensor>& scales, const at::Tensor& values,
-                       const at::Tensor& rounding_count, const std::optional<at::Tensor>& positions,
-                       int64_t position_offset, const at::Tensor& taken, MomentCode code) {
+                       const at::Tensor& rounding_count, const std::optional<at::Tensor>& row_positions,
+                       const std::optional<at::Tensor>& column_positions, int64_t position_offset,
+                       const at::Tensor& taken, MomentCode code) {
   const c10::cuda::CUDAGuard device_guard(values.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const muon_cuda::MomentWrite write{
-      positions.has_value() ? positions->const_data_ptr<int64_t>() : nullptr,
-      position_offset,
+      muon_rounding::entry_positions(row_positions, column_positions, position_offset),
       rounding_count.const_data_ptr<int64_t>(),
       taken.const_data_ptr<float>(),
   };

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "../common/stochastic_rounding.h"
+
 namespace muon_cuda {
 
 // Entries per int8 block along the last dim, one float32 scale each: torch_binding.h's kRoundedBlock (the binding
@@ -16,11 +18,9 @@ constexpr int64_t kMomentBlock = 256;
 enum class Int8Code { kLinear, kE4m3, kE4m3Root };
 
 // A write's random bits and whether it happens, all on the device (read there: no host sync). The bits of entry j
-// are muon_rounding::random_bits(positions ? positions[j] : position_offset + j, *rounding_count); nothing is
-// written where *taken == 0.
+// are muon_rounding::random_bits(positions(j), *rounding_count); nothing is written where *taken == 0.
 struct MomentWrite {
-  const int64_t* positions;  // numel int64, or nullptr
-  int64_t position_offset;
+  muon_rounding::EntryPositions positions;
   const int64_t* rounding_count;  // one int64
   const float* taken;             // one float32
 };

@@ -15,6 +15,8 @@
 namespace muon_cuda {
 namespace {
 
+using muon_rounding::EntryPositions;
+
 constexpr int kQuantCtaWarps = 8;  // int8 blocks a CTA takes at a time, a warp each
 constexpr int kQuantCtaThreads = kQuantCtaWarps * kWarp;
 constexpr int kQuantLaneEntries = static_cast<int>(kQuantBlock) / kWarp;
@@ -30,7 +32,8 @@ __device__ void zero_update(U* __restrict__ update, int64_t numel) {
 
 template <typename G, typename U>
 __global__ void rounded_bfloat16_kernel(__nv_bfloat16* __restrict__ buffer, const G* __restrict__ grad,
-                                        U* __restrict__ update, Positions position, const int64_t* __restrict__ count,
+                                        U* __restrict__ update, EntryPositions position,
+                                        const int64_t* __restrict__ count,
                                         const float* __restrict__ flag, int64_t numel, float grad_weight,
                                         float buffer_weight, bool nesterov) {
   if (*flag == 0.0f) {
@@ -55,7 +58,7 @@ __global__ void rounded_bfloat16_kernel(__nv_bfloat16* __restrict__ buffer, cons
 template <typename G, typename U>
 __global__ void __launch_bounds__(kQuantCtaThreads)
     rounded_int8_kernel(int8_t* __restrict__ codes, float* __restrict__ scales, const G* __restrict__ grad,
-                        U* __restrict__ update, Positions position, const int64_t* __restrict__ count,
+                        U* __restrict__ update, EntryPositions position, const int64_t* __restrict__ count,
                         const float* __restrict__ flag, int64_t numel, int64_t line_length, int64_t blocks_per_line,
                         int64_t block_count, float grad_weight, float buffer_weight, bool nesterov) {
   if (*flag == 0.0f) {  // the same for the whole grid
@@ -123,10 +126,9 @@ void launch_momentum_rounded_bfloat16(void* buffer, const RoundedMomentumArgs& a
   if (args.numel == 0) {
     return;
   }
-  const Positions position{args.positions, 0};
   dispatch_args(args, [&](auto grad, auto update) {
     rounded_bfloat16_kernel<<<blocks_for(args.numel), kThreads, 0, stream>>>(
-        static_cast<__nv_bfloat16*>(buffer), grad, update, position, args.count, args.flag, args.numel,
+        static_cast<__nv_bfloat16*>(buffer), grad, update, args.positions, args.count, args.flag, args.numel,
         grad_weight_of(args.beta), static_cast<float>(args.beta), args.nesterov);
   });
 }
@@ -140,9 +142,8 @@ void launch_momentum_rounded_int8(int8_t* codes, float* scales, int64_t line_len
   const int64_t block_count = args.numel / line_length * blocks_per_line;
   const int64_t cta_count = (block_count + kQuantCtaWarps - 1) / kQuantCtaWarps;
   const auto grid = static_cast<unsigned int>(std::min(cta_count, kMaxBlocks));
-  const Positions position{args.positions, 0};
   dispatch_args(args, [&](auto grad, auto update) {
-    rounded_int8_kernel<<<grid, kQuantCtaThreads, 0, stream>>>(codes, scales, grad, update, position, args.count,
+    rounded_int8_kernel<<<grid, kQuantCtaThreads, 0, stream>>>(codes, scales, grad, update, args.positions, args.count,
                                                              args.flag, args.numel, line_length, blocks_per_line,
                                                              block_count, grad_weight_of(args.beta),
                                                              static_cast<float>(args.beta), args.nesterov);

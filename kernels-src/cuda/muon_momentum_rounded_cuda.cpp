@@ -15,19 +15,19 @@ static_assert(muon_cuda::kQuantBlock == kRoundedBlock, "the int8 kernel's block 
 
 void muon_momentum_rounded_cuda(at::TensorList momentum_buffers, const OptionalTensors& scales, at::TensorList grads,
                                 at::TensorList updates, const at::Tensor& finite, at::TensorList rounding_counts,
-                                const OptionalTensors& positions, double beta, bool nesterov) {
+                                const OptionalTensors& row_positions, const OptionalTensors& column_positions,
+                                double beta, bool nesterov) {
   const c10::cuda::CUDAGuard device_guard(finite.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   finite_flags_cuda(grads, finite);
   const float* flags = finite.const_data_ptr<float>();
   for (size_t i = 0; i < grads.size(); ++i) {
-    const std::optional<at::Tensor> position = positions.get(i);
     const muon_cuda::RoundedMomentumArgs args{
         grads[i].const_data_ptr(),
         muon_cuda::launch_dtype(grads[i].scalar_type(), "muon_momentum_rounded_: grads"),
         updates[i].mutable_data_ptr(),
         muon_cuda::launch_dtype(updates[i].scalar_type(), "muon_momentum_rounded_: updates"),
-        position.has_value() ? position->const_data_ptr<int64_t>() : nullptr,
+        muon_rounding::entry_positions(row_positions.get(i), column_positions.get(i), 0),
         rounding_counts[i].const_data_ptr<int64_t>(),
         flags + i,
         grads[i].numel(),

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "../common/stochastic_rounding.h"
 #include "dtype.h"
 
 namespace muon_cuda {
@@ -15,15 +16,15 @@ namespace muon_cuda {
 constexpr int64_t kQuantBlock = 256;
 
 // What both stored forms share. grad: grad_dtype, read as float32 (a double is rounded to float); update: any
-// update_dtype, written from the float32 value; positions: each entry's position for the random bits (numel int64),
-// or nullptr for its flat index; count: the tensor's rounding count (one int64); flag: the tensor's finite flag.
+// update_dtype, written from the float32 value; positions: each entry's position for the random bits (its flat index
+// for a whole tensor); count: the tensor's rounding count (one int64); flag: the tensor's finite flag.
 // count and flag are read on the device: no host sync.
 struct RoundedMomentumArgs {
   const void* grad;
   DType grad_dtype;
   void* update;
   DType update_dtype;
-  const int64_t* positions;
+  muon_rounding::EntryPositions positions;
   const int64_t* count;
   const float* flag;
   int64_t numel;

@@ -516,6 +516,28 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def shard_positions_case() -> None:
+    """Each rank's `shard_positions` against DTensor's own split of the whole tensor's flat indices, on 1D and 2D
+    meshes (strided shards too), and two vectors shorter together than a shard with two dims of 3 or more."""
+    layout = submodule(optimizer, "distributed.layout")
+    layouts = {(4,): [[Shard(0)], [Shard(1)], [Replicate()], [_StridedShard(0, split_factor=2)]],
+               (2, 2): [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)], [Replicate(), Shard(1)],
+                        [_StridedShard(0, split_factor=2), Shard(0)], [Shard(1), Shard(2)]]}
+    for mesh_shape, placement_lists in layouts.items():
+        mesh = init_device_mesh("cpu", mesh_shape)
+        for placements in placement_lists:
+            for shape in [(10, 6), (3, 8), (2, 5, 6), (6, 3, 2, 2), (12, 7)]:
+                if any(getattr(placement, "dim", 0) >= len(shape) for placement in placements):
+                    continue
+                indices = distribute_tensor(torch.arange(math.prod(shape)).view(shape), mesh, placements,
+                                            src_data_rank=None)
+                positions = layout.shard_positions(indices)
+                local = indices.to_local()
+                assert torch.equal(positions.of(local.shape), local), (mesh_shape, placements, shape)
+                if local.numel() and sum(size >= 3 for size in local.shape) >= 2:
+                    assert len(positions.rows) + len(positions.columns) < local.numel(), (placements, shape)
+
+
 def cases_for(world: int) -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {
         "fsdp2_fully_shard": partial(fsdp2_case, world),
@@ -616,4 +638,5 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
         cases["nonfinite_beside_an_empty_shard_neuron_normalization"] = partial(
             dtensor_case, (4,), [Shard(1)], nan_at=(2, 1, (0, 2)), normalization="neuron")
         cases["mesh2x2_replicate_shard0"] = partial(dtensor_case, (2, 2), [Replicate(), Shard(0)])
+        cases["shard_positions_follow_dtensor_placements"] = shard_positions_case
     return cases

@@ -26,7 +26,7 @@ from .newton_schulz import Orthogonalizer, staging_dtype
 from .normalization import normalize, rms_rule_scales, uses_rms_rule
 from .option_values import overflowed_to_infinity
 from .routing import MatrixView
-from .state_precision import advance_counts_
+from .state_precision import EntryPositions, advance_counts_
 from .triton_kernels import (TRITON_AVAILABLE, apply_takes, launch_adamw_, launch_apply_, launch_counts_,
                              launch_nonfinite_, launchable, launchable_rounded, tabulate, tabulate_rounded)
 from .workspace import Workspace
@@ -130,12 +130,12 @@ class MuonTensors:
     rounding_count: Tensor | None = None
     momentum_scales: Tensor | None = None
     # A shard's entries' indices in the whole tensor, which the rounding draws on (None: the tensor is whole).
-    rounding_positions: Tensor | None = None
+    rounding_positions: EntryPositions | None = None
 
 
 def momentum_step_(buffers: Sequence[Tensor], grads: Sequence[Tensor], outputs: Sequence[Tensor], beta: float,
                    nesterov: bool, rounding_counts: Sequence[Tensor | None], scales: Sequence[Tensor | None],
-                   positions: Sequence[Tensor | None], agreed: Tensor | None = None) -> Tensor:
+                   positions: Sequence[EntryPositions | None], agreed: Tensor | None = None) -> Tensor:
     """The momentum op for each buffer: `native.muon_momentum_`, or `native.muon_momentum_rounded_` for one with a
     rounding count (a `state_dtype`; with "int8", its block scales too). Returns the finite flags (float32 0.0/1.0),
     times `agreed` where given (the flags of the other ranks holding the same matrices, whose callers have already
@@ -150,7 +150,7 @@ def momentum_step_(buffers: Sequence[Tensor], grads: Sequence[Tensor], outputs: 
         parts.append((rounded, native.muon_momentum_rounded_(
             [buffers[i] for i in rounded], [scales[i] for i in rounded], [grads[i] for i in rounded],
             [outputs[i] for i in rounded], [rounding_counts[i] for i in rounded],
-            [None if positions[i] is None else positions[i].contiguous() for i in rounded], beta, nesterov)))
+            [positions[i] for i in rounded], beta, nesterov)))
     finite = parts[0][1] if len(parts) == 1 else _merged(parts, len(buffers))
     if agreed is not None:
         finite = finite * agreed  # products of 0.0 and 1.0: exact
@@ -453,7 +453,12 @@ class AdamWTensors:
     rounding_count: Tensor | None = None
     exp_avg_scales: Tensor | None = None
     exp_avg_sq_scales: Tensor | None = None
-    rounding_positions: Tensor | None = None  # as MuonTensors'
+    rounding_positions: EntryPositions | None = None  # as MuonTensors'
+
+    @property
+    def position_rows(self) -> Tensor | None:
+        """The tensor that stands for the positions where a launch plan keeps an item's tensors."""
+        return None if self.rounding_positions is None else self.rounding_positions.rows
 
 
 def adamw_update(items: Sequence[AdamWTensors], found_inf: Tensor | None, *, lr: LearningRate | Sequence[float],
@@ -594,10 +599,11 @@ def _launch_groups(items: Sequence[AdamWTensors]) -> tuple[list[_LaunchGroup], l
 
 
 # What an item's launch group depends on besides its gradient: the tensors its table row holds, and the positions that
-# keep a shard out of the rounded launch (a getter of C: a plan's check asks it of every item every step).
+# keep a shard out of the rounded launch (a getter of C, but for the positions' property: a plan's check asks it of
+# every item given anew).
 _addressed: Callable[[AdamWTensors], tuple[Tensor | None, ...]] = operator.attrgetter(
     "param", "exp_avg", "exp_avg_sq", "step", "nonfinite_skips", "rounding_count", "exp_avg_scales",
-    "exp_avg_sq_scales", "rounding_positions")
+    "exp_avg_sq_scales", "position_rows")
 
 
 def _joined(groups: Sequence[list[int]]) -> list[int]:
@@ -784,7 +790,6 @@ def _fused_adamw_rounded_(item: AdamWTensors, param: Tensor, found_inf: Tensor, 
                                                      item.exp_avg, item.exp_avg_sq)]
     scales = [None if scale is None else scale.view(-1, scale.shape[-1])
               for scale in (item.exp_avg_scales, item.exp_avg_sq_scales)]
-    positions = None if item.rounding_positions is None else item.rounding_positions.reshape(-1, line)
     taken = 1.0 - found_inf
     rows = max(1, ROUNDED_CHUNK // line)
     work_dtype = torch.promote_types(param.dtype, torch.float32)
@@ -808,5 +813,5 @@ def _fused_adamw_rounded_(item: AdamWTensors, param: Tensor, found_inf: Tensor, 
             param_chunk.copy_(work_param)
         for key, moment, scale, values in zip(_ADAMW_MOMENTS, lines[2:], chunk_scales, moments):
             native.store_moment_(key, moment[chunk], scale, values.float(), item.rounding_count, taken,
-                                 None if positions is None else positions[chunk], first * line)
+                                 item.rounding_positions, first * line)
     advance_counts_([item.rounding_count], taken.reshape(1))

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .state_precision import moment_code, working_copy, write_rounded_
+from .state_precision import EntryPositions, moment_code, working_copy, write_rounded_
 
 try:
     from ._ops import add_op_namespace_prefix, ops
@@ -128,8 +128,8 @@ def has_compiled_adamw_rounded(device_type: str) -> bool:
 
 
 def adamw_rounded_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_scales: Tensor | None, exp_avg_sq: Tensor,
-                   exp_avg_sq_scales: Tensor | None, rounding_count: Tensor, positions: Tensor | None, step: Tensor,
-                   *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+                   exp_avg_sq_scales: Tensor | None, rounding_count: Tensor, positions: EntryPositions | None,
+                   step: Tensor, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """One AdamW step of `param` (contiguous) whose moments are stored in fewer bytes, both bfloat16 or both "int8"
     e4m3 codes with their block scales (`exp_avg_sq`'s holding its square root, see `state_precision`): read, stepped
     in float32 as torch's AdamW steps them (`step`, float32, already counts this step), and stored back rounded at
@@ -138,8 +138,7 @@ def adamw_rounded_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_scales:
     `has_compiled_adamw_rounded` first."""
     compiled = _required_op(_ADAMW_ROUNDED_OP, param.device.type)
     compiled(param, grad.contiguous(), exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, rounding_count,
-             None if positions is None else positions.contiguous(), step, float(lr), betas[0], betas[1], eps,
-             weight_decay)
+             *_rows_and_columns(positions), step, float(lr), betas[0], betas[1], eps, weight_decay)
 
 
 def has_compiled_adamw_checked(device_type: str) -> bool:
@@ -281,27 +280,34 @@ def muon_momentum_(momentum_buffers: list[Tensor], grads: list[Tensor], updates:
 
 
 def muon_momentum_rounded_(momentum_buffers: list[Tensor], scales: list[Tensor | None], grads: list[Tensor],
-                           updates: list[Tensor], rounding_counts: list[Tensor], positions: list[Tensor | None],
-                           beta: float, nesterov: bool) -> Tensor:
+                           updates: list[Tensor], rounding_counts: list[Tensor],
+                           positions: list[EntryPositions | None], beta: float, nesterov: bool) -> Tensor:
     """`muon_momentum_` on momentum stored in fewer bytes (see `state_precision`): momentum_buffers[i] is bfloat16
     (scales[i] None) or int8 linear codes with float32 block scales scales[i]. The momentum is stepped in float32 from
     its stored value, updates[i] is written from that float32 value, and the momentum is stored back stochastically
     rounded, salted by rounding_counts[i] (int64, one element) and each entry's index in the whole tensor,
-    positions[i] (contiguous int64; None: the tensor is whole). A non-finite gradient leaves the stored momentum as it
-    is and zeroes the update. The counts are not moved (the caller knows whether other ranks agreed). A torch.compile
-    trace takes the fallback's torch ops: inductor failed to lower the op's lists of optional tensors (torch 2.13:
-    "'dict' object has no attribute 'append'"), so a compiled step with a `state_dtype` did not compile.
+    positions[i] (see `EntryPositions`; None: the tensor is whole). A non-finite gradient leaves the stored momentum
+    as it is and zeroes the update. The counts are not moved (the caller knows whether other ranks agreed). A
+    torch.compile trace takes the fallback's torch ops: inductor failed to lower the op's lists of optional tensors
+    (torch 2.13: "'dict' object has no attribute 'append'"), so a compiled step with a `state_dtype` did not compile.
 
     Returns the float32 (N,) finite flags on the grads' device, computed without a host sync."""
     device = _common_device(momentum_buffers, grads, updates)
     finite = torch.empty(len(grads), dtype=torch.float32, device=device)
     compiled = _eager_op(_ROUNDED_MOMENTUM_OP, device.type)
     if compiled is not None:
-        compiled(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions, beta, nesterov)
+        rows_and_columns = [_rows_and_columns(position) for position in positions]
+        compiled(momentum_buffers, scales, grads, updates, finite, rounding_counts,
+                 [rows for rows, _ in rows_and_columns], [columns for _, columns in rows_and_columns], beta, nesterov)
     else:
         _muon_momentum_rounded_fallback(momentum_buffers, scales, grads, updates, finite, rounding_counts, positions,
                                         beta, nesterov)
     return finite
+
+
+def _rows_and_columns(positions: EntryPositions | None) -> tuple[Tensor | None, Tensor | None]:
+    """The ops' row_positions and column_positions arguments."""
+    return (None, None) if positions is None else (positions.rows, positions.columns)
 
 
 def load_moment(key: str, stored: Tensor, scales: Tensor | None) -> Tensor:
@@ -316,19 +322,17 @@ def load_moment(key: str, stored: Tensor, scales: Tensor | None) -> Tensor:
 
 
 def store_moment_(key: str, stored: Tensor, scales: Tensor | None, values: Tensor, rounding_count: Tensor,
-                  taken: Tensor, positions: Tensor | None, position_offset: int = 0) -> None:
+                  taken: Tensor, positions: EntryPositions | None, position_offset: int = 0) -> None:
     """The moment `key` <- values (float32), rounded at random with bits salted by rounding_count and each entry's
-    index in the whole tensor: positions (int64), or position_offset + its own index. Where taken (one float32) is
-    0.0, nothing is written. The count is not moved."""
+    index in the whole tensor: `values` are the entries from position_offset on of a tensor (or shard: `positions`)
+    whose entries are in row-major order. Where taken (one float32) is 0.0, nothing is written. The count is not
+    moved."""
     compiled = _compiled_op(_STORE_MOMENT_OP, stored.device.type)
     if compiled is not None:
-        compiled(stored, scales, values.contiguous(), rounding_count, positions, position_offset, taken,
-                 moment_code(key, scales))
+        compiled(stored, scales, values.contiguous(), rounding_count, *_rows_and_columns(positions), position_offset,
+                 taken, moment_code(key, scales))
         return
-    if positions is None and position_offset:
-        positions = torch.arange(position_offset, position_offset + values.numel(), device=values.device)
-        positions = positions.view(values.shape)
-    write_rounded_(key, stored, scales, values, rounding_count, taken.reshape(()), positions)
+    write_rounded_(key, stored, scales, values, rounding_count, taken.reshape(()), positions, position_offset)
 
 
 def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Tensor | None,
@@ -491,7 +495,7 @@ def _muon_momentum_fallback(momentum_buffers: list[Tensor], grads: list[Tensor],
 
 def _muon_momentum_rounded_fallback(momentum_buffers: list[Tensor], scales: list[Tensor | None], grads: list[Tensor],
                                     updates: list[Tensor], finite: Tensor, rounding_counts: list[Tensor],
-                                    positions: list[Tensor | None], beta: float, nesterov: bool) -> None:
+                                    positions: list[EntryPositions | None], beta: float, nesterov: bool) -> None:
     """Float32 working copies through `_muon_momentum_fallback`, stored back rounded where the step was taken."""
     if not len(scales) == len(rounding_counts) == len(positions) == len(momentum_buffers):
         raise ValueError(f"muon_momentum_rounded_: scales, rounding_counts and positions have {len(scales)}, "

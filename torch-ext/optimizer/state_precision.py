@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -121,8 +122,24 @@ def working_copy(key: str, stored: Tensor, scales: Tensor | None) -> Tensor:
     return values.square_() if code == "e4m3_root" else values
 
 
+class EntryPositions(NamedTuple):
+    """Where a shard's entries lie in the whole tensor, the index their random bits are hashed from: entry k of the
+    shard (row-major), with (r, c) = divmod(k, len(columns)), lies at rows[r] + columns[c]. Two int64 vectors on the
+    shard's device, each the positions of a block of dims (each dim's global index times its stride), where a
+    shard-sized int64 tensor took 8 bytes per entry at every step; the compiled ops read them as they are."""
+
+    rows: Tensor
+    columns: Tensor
+
+    def of(self, shape: Sequence[int], offset: int = 0) -> Tensor:
+        """The positions of the entries of `shape` from entry `offset` on, as one tensor (the torch fallbacks')."""
+        entries = torch.arange(offset, offset + math.prod(shape), device=self.rows.device)
+        columns = max(len(self.columns), 1)  # an empty shard's may be empty: no entries to divide
+        return (self.rows[entries // columns] + self.columns[entries % columns]).view(shape)
+
+
 def store_(keys: Sequence[str], stored: Sequence[Tensor], scales: Sequence[Tensor | None], values: Sequence[Tensor],
-           rounding_counts: Sequence[Tensor], taken: Tensor, positions: Sequence[Tensor | None]) -> None:
+           rounding_counts: Sequence[Tensor], taken: Tensor, positions: Sequence[EntryPositions | None]) -> None:
     """stored[i], the moment keys[i] (with scales[i] for "int8"), <- values[i] (float32), rounded stochastically with
     random bits salted by rounding_counts[i] and by each entry's index in the whole tensor, positions[i] (None: the
     tensor is whole); where taken[i] is 0.0 (a skipped step) nothing changes. Each count then moves by taken[i]; a
@@ -137,11 +154,13 @@ def store_(keys: Sequence[str], stored: Sequence[Tensor], scales: Sequence[Tenso
 
 
 def write_rounded_(key: str, stored: Tensor, scale: Tensor | None, value: Tensor, rounding_count: Tensor,
-                   taken: Tensor, position: Tensor | None) -> None:
-    """One moment of `store_`, leaving its count as it is."""
-    if position is None:
-        position = torch.arange(value.numel(), dtype=_index_dtype(value.numel()), device=value.device)
-        position = position.view(value.shape)
+                   taken: Tensor, positions: EntryPositions | None, offset: int = 0) -> None:
+    """One moment of `store_`, leaving its count as it is; `value` holds the entries from `offset` on (a chunk)."""
+    if positions is not None:
+        position = positions.of(value.shape, offset)
+    else:
+        end = offset + value.numel()
+        position = torch.arange(offset, end, dtype=_index_dtype(end), device=value.device).view(value.shape)
     code = moment_code(key, scale)
     if code == "bfloat16":
         rounded = _stochastically_rounded(value, _random_bits(rounding_count, position), stored.dtype)

@@ -20,6 +20,7 @@ from itertools import product
 import torch
 from torch import Tensor
 
+from ..state_precision import EntryPositions
 from .dtensors import Placement, is_dtensor, sharded_tensor_dim
 
 Box = tuple[slice, ...]
@@ -209,30 +210,32 @@ def sharded_layout(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placemen
     return ShardLayout(tuple(shape), tuple(tuple(by_rank[rank]) for rank in range(len(by_rank))), tuple(orders))
 
 
-def shard_positions(tensor: Tensor) -> Tensor | None:
-    """For a DTensor, the flat index in the whole (row-major) tensor of each entry of this rank's shard, laid out
-    like the shard (int64): what makes per-entry choices, such as stochastic rounding's random bits, the same
-    whichever way the tensor is split. None for a plain tensor: its own indices are the whole tensor's."""
-    if not is_dtensor(tensor):
-        return None
-    local = tensor.to_local()
-    positions = torch.zeros((1,) * tensor.ndim, dtype=torch.int64, device=local.device)
-    for term in _position_terms(*_shard_of(tensor)):
-        positions = positions + term
-    return positions.expand(local.shape)
+def shard_positions(tensor: Tensor) -> EntryPositions | None:
+    """For a DTensor, where each entry of this rank's shard lies in the whole (row-major) tensor: what makes per-entry
+    choices, such as stochastic rounding's random bits, the same whichever way the tensor is split. None for a plain
+    tensor: its own indices are the whole tensor's."""
+    return _entry_positions(*_shard_of(tensor)) if is_dtensor(tensor) else None
 
 
 @lru_cache(maxsize=4096)
-def _position_terms(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
-                    coordinate: tuple[int, ...], device: torch.device) -> tuple[Tensor, ...]:
-    """Per dim, the global indices the shard at mesh `coordinate` holds times the dim's row-major stride, laid along
-    that dim, on `device`. Made once: each step asks for every rounded-state parameter."""
-    terms, stride = [], 1
-    for dim in reversed(range(len(shape))):
-        held = _held_on(dim, shape, placements, mesh_shape, coordinate, device) * stride
-        terms.append(held.view((1,) * dim + (-1,) + (1,) * (len(shape) - dim - 1)))
-        stride *= shape[dim]
-    return tuple(terms)
+def _entry_positions(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+                     coordinate: tuple[int, ...], device: torch.device) -> EntryPositions:
+    """The positions of the shard at mesh `coordinate`, on `device`: each dim's held global indices times its
+    row-major stride, summed over the dims before a split and over the dims after it, the split where the two vectors
+    are shortest together. Made once: each step asks for every rounded-state parameter."""
+    terms = [_held_on(dim, shape, placements, mesh_shape, coordinate, device) * math.prod(shape[dim + 1:])
+             for dim in range(len(shape))]
+    sizes = [len(term) for term in terms]
+    split = min(range(len(shape) + 1), key=lambda at: math.prod(sizes[:at]) + math.prod(sizes[at:]))
+    return EntryPositions(_sums_of_one_of_each(terms[:split], device), _sums_of_one_of_each(terms[split:], device))
+
+
+def _sums_of_one_of_each(terms: Sequence[Tensor], device: torch.device) -> Tensor:
+    """Every sum of one entry of each term, in row-major order (the first term's entries vary slowest)."""
+    sums = torch.zeros(1, dtype=torch.int64, device=device)
+    for term in terms:
+        sums = (sums[:, None] + term[None, :]).reshape(-1)
+    return sums
 
 
 def local_indices(tensor: Tensor, dim: int) -> Tensor | None:
@@ -244,7 +247,7 @@ def local_indices(tensor: Tensor, dim: int) -> Tensor | None:
 def _shard_of(tensor: Tensor) -> tuple[tuple[int, ...], tuple[Placement, ...], tuple[int, ...], tuple[int, ...],
                                        torch.device]:
     """What a DTensor's shard follows from, hashable: global shape, placements, mesh shape, this rank's mesh
-    coordinate and its device (the key of `_position_terms` and `_held_on`)."""
+    coordinate and its device (the key of `_entry_positions` and `_held_on`)."""
     mesh = tensor.device_mesh
     return (tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape), tuple(mesh.get_coordinate()),
             tensor.to_local().device)
