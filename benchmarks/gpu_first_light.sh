@@ -65,7 +65,8 @@ spread=${xdist/loadfile/load}
 # they spawn) oversubscribes the CPU eightfold (the CPU-only files took ~390 s on the H200 that way).
 pytest=(env OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / workers ))}" "$PY" -m pytest -v -rfE -p no:cacheprovider
   --durations=15)
-gpu_files=$(grep -l -E "cuda\.is_available|HAS_CUDA|triton_under_test" tests/test_*.py)
+# (test_native_ops' `path` fixture gives a file CUDA cases without naming CUDA itself.)
+gpu_files=$(grep -l -E "cuda\.is_available|HAS_CUDA|triton_under_test|from test_native_ops import path" tests/test_*.py)
 
 environment >>"$out/summary.txt" 2>&1
 stage build 400 "$PY" tools/build.py
