@@ -180,3 +180,35 @@ def test_one_launch_keeps_a_block_finite_when_a_square_overflows(monkeypatch) ->
     assert not torch.isnan(items[1].param).any()
     assert not torch.isnan(state_precision.working_copy("exp_avg_sq", items[1].exp_avg_sq.cpu(),
                                                         items[1].exp_avg_sq_scales.cpu())).any()
+
+
+@pytest.mark.parametrize("state_dtype, index, box", [
+    (torch.bfloat16, 1, (slice(1, 3), slice(100, 650))),  # rows shorter than a block of the kernel
+    ("int8", 1, (slice(1, 3), slice(None))),  # 8-bit codes: their blocks lie along whole rows
+], ids=["bfloat16", "int8"])
+def test_a_shard_with_its_positions_rounds_in_the_launch_as_the_whole_tensor(
+        state_dtype, index: int, box: tuple, monkeypatch) -> None:
+    # A distributed parameter's shard (an FSDP2 or TP DTensor's local tensor) stored rounded: its entries' random bits
+    # come from where they lie in the whole tensor, so it stores what the whole tensor stores there, bit for bit.
+    whole = _items(state_dtype)
+    item = whole[index]
+    rows, columns = range(item.param.shape[0])[box[0]], range(item.param.shape[1])[box[1]]
+    positions = state_precision.EntryPositions(torch.tensor(rows, device=DEVICE) * item.param.shape[1],
+                                               torch.tensor(columns, device=DEVICE))
+    scales_box = (box[0], slice(None))
+
+    def part(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+        """The shard's own copy of one of the item's tensors (its counts whole)."""
+        if value is None or not value.dim():
+            return None if value is None else value.clone()
+        return value[scales_box if name.endswith("scales") else box].clone(memory_format=torch.contiguous_format)
+
+    shard = functional.AdamWTensors(**{name: part(name, value) for name, value in vars(item).items()}
+                                    | {"rounding_positions": positions})
+    launches = _step(whole, monkeypatch, rounded_launch=True)
+    assert launches[0].count(tuple(item.param.shape)) == 1
+    assert _step([shard], monkeypatch, rounded_launch=True) == [[tuple(shard.param.shape)]]
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(shard, name), getattr(item, name)[box]), name
+    for name in ("exp_avg_scales", "exp_avg_sq_scales"):
+        assert getattr(item, name) is None or torch.equal(getattr(shard, name), getattr(item, name)[scales_box]), name

@@ -592,8 +592,8 @@ def _launch_groups(items: Sequence[AdamWTensors]) -> tuple[list[_LaunchGroup], l
                                  skip_counts)
         else:
             tabulated = tabulate_rounded([(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step,
-                                           item.rounding_count, item.exp_avg_scales, item.exp_avg_sq_scales)
-                                          for item in group], skip_counts)
+                                           item.rounding_count, item.exp_avg_scales, item.exp_avg_sq_scales,
+                                           item.rounding_positions) for item in group], skip_counts)
         launches.append(_LaunchGroup(stored, indices, replace(tabulated, like=None, moment_like=None)))
     return launches, left
 
@@ -626,9 +626,9 @@ def _fits_one_launch(item: AdamWTensors) -> bool:
 
 
 def _fits_rounded_launch(item: AdamWTensors) -> bool:
-    """Whether the rounded one-launch kernel takes this parameter: moments stored rounded, of a whole tensor (a shard's
-    entries have positions of their own), and what `launchable_rounded` asks."""
-    return (item.rounding_count is not None and item.rounding_positions is None
+    """Whether the rounded one-launch kernel takes this parameter: moments stored rounded, and what
+    `launchable_rounded` asks."""
+    return (item.rounding_count is not None
             and launchable_rounded(item.param, item.grad, item.exp_avg, item.exp_avg_sq, item.step,
                                    item.rounding_count, item.exp_avg_scales, item.exp_avg_sq_scales))
 

@@ -16,6 +16,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -25,17 +26,22 @@ from torch import Tensor
 from ._launch import ALIGNMENT, INTERPRETER, SUPPORTED_DTYPES, device_values
 from .rounding import bfloat16_rounded, bfloat16_value, e4m3_block_codes, e4m3_value, random_bits
 
+if TYPE_CHECKING:
+    from ..state_precision import EntryPositions
+
 # Elements per program: enough that a program's scalar work (its tensor's row, the bias corrections) is small beside
 # the 16-24 bytes per element it streams, few enough that a bias vector does not leave most of a program idle.
 BLOCK = 2048
 
 # A row of the address table per tensor, what each of its programs reads before its block: where its parameter,
 # gradient, first and second moment start, in 16-byte units from where the first parameter (first moment) starts,
-# then its step count's address and its size; with moments stored rounded, also its count of rounded writes' address
-# and, for 8-bit codes, the addresses of its moments' block scales; last, its skip count's address (0: none kept).
+# then its step count's address and its size; with moments stored rounded, also its count of rounded writes' address,
+# for 8-bit codes the addresses of its moments' block scales, and for a shard the addresses of its row and column
+# positions and its count of columns (state_precision.EntryPositions; 0: a whole tensor); last, its skip count's
+# address (0: none kept).
 # Starts are in units of ALIGNMENT (see _launch.py), so that the compiler knows them aligned.
 _COLUMNS = 7
-_ROUNDED_COLUMNS = 10
+_ROUNDED_COLUMNS = 13
 _NUMEL = 5
 # Entries per scale of 8-bit codes, along the last dim (state_precision.BLOCK): a program's BLOCK entries are whole
 # blocks of a tensor whose last dim is a multiple of it.
@@ -179,17 +185,37 @@ def _adamw_rounded_blocks_kernel(
     moments = (exp_avg, exp_avg_sq, scales, count)
     rule = (step_size, decay, bias_correction2_sqrt, beta1, beta2, eps)
     if first + BLOCK <= end:  # see _adamw_blocks_kernel
-        _adamw_rounded_block(param, grad, moments, offsets, None, None, None, rule, CODES)
+        _adamw_rounded_block(param, grad, moments, offsets, _positions(row, offsets, None, None), None, None, None,
+                             rule, CODES)
     else:
-        _adamw_rounded_block(param, grad, moments, offsets, offsets < end, first + rows * CODE_BLOCK < end, 0, rule,
-                             CODES)
+        mask = offsets < end
+        _adamw_rounded_block(param, grad, moments, offsets, _positions(row, offsets, mask, 0), mask,
+                             first + rows * CODE_BLOCK < end, 0, rule, CODES)
 
 
 @triton.jit
-def _adamw_rounded_block(param, grad, moments, offsets, mask, scale_mask, other, rule, CODES: tl.constexpr):
+def _positions(row, offsets, mask, other):
+    """Where the row's entries at `offsets` lie in the whole tensor, which their random bits are hashed from: the
+    offsets themselves for a whole tensor, else from its row and column positions (see the table's columns), where
+    `mask` (None: all)."""
+    position_rows = tl.load(row + 9)
+    if position_rows == 0:
+        positions = offsets
+    else:
+        column_count = tl.load(row + 11)
+        rows = position_rows.to(tl.pointer_type(tl.int64))
+        columns = tl.load(row + 10).to(tl.pointer_type(tl.int64))
+        positions = (tl.load(rows + offsets // column_count, mask=mask, other=other)
+                     + tl.load(columns + offsets % column_count, mask=mask, other=other))
+    return positions
+
+
+@triton.jit
+def _adamw_rounded_block(param, grad, moments, offsets, positions, mask, scale_mask, other, rule,
+                         CODES: tl.constexpr):
     """`_adamw_entries` on a block of (code blocks, entries) whose moments are stored rounded (see
-    `_adamw_rounded_blocks_kernel`), where `mask` (None: all). Entries outside it read as 0 (`other`), which leaves
-    their code blocks' largest magnitudes as they are."""
+    `_adamw_rounded_blocks_kernel`) with the random bits of their `positions`, where `mask` (None: all). Entries
+    outside it read as 0 (`other`), which leaves their code blocks' largest magnitudes as they are."""
     exp_avg, exp_avg_sq, scales, count = moments
     scale_m, scale_v = scales
     stored_m = tl.load(exp_avg + offsets, mask=mask, other=other)
@@ -206,7 +232,7 @@ def _adamw_rounded_block(param, grad, moments, offsets, mask, scale_mask, other,
     p, m, v = _adamw_entries(tl.load(param + offsets, mask=mask, other=other).to(tl.float32),
                              tl.load(grad + offsets, mask=mask, other=other).to(tl.float32), m, v, *rule)
     tl.store(param + offsets, p.to(param.dtype.element_ty), mask=mask)
-    bits = random_bits(offsets, count)
+    bits = random_bits(positions, count)
     if CODES:
         m_codes, m_scale = e4m3_block_codes(m, bits)
         v_codes, v_scale = e4m3_block_codes(tl.sqrt_rn(v), bits)
@@ -272,17 +298,27 @@ def tabulate(tensors: Sequence[tuple[Tensor, ...]], skip_counts: Sequence[Tensor
 def tabulate_rounded(tensors: Sequence[tuple[Tensor | None, ...]],
                      skip_counts: Sequence[Tensor] | None = None) -> Tabulated:
     """`tabulate` for moments stored rounded at random, on (param, grad, exp_avg, exp_avg_sq, step, rounding_count,
-    exp_avg_scales, exp_avg_sq_scales) rows that `launchable_rounded` took, of one parameter dtype and one stored
-    form (bfloat16 moments, or 8-bit codes with their scales)."""
+    exp_avg_scales, exp_avg_sq_scales, positions) rows that `launchable_rounded` took, of one parameter dtype and
+    one stored form (bfloat16 moments, or 8-bit codes with their scales); positions (`EntryPositions` on the
+    parameter's device) for a shard, None for a whole tensor."""
     like, moment_like, codes = tensors[0][0], tensors[0][2], tensors[0][6] is not None
     base, moment_base = like.data_ptr(), moment_like.data_ptr()
     rows: list[int] = []
-    for (param, grad, exp_avg, exp_avg_sq, step, count, *scales), skip_count in zip(
+    for (param, grad, exp_avg, exp_avg_sq, step, count, *scales, positions), skip_count in zip(
             tensors, _addresses(skip_counts, len(tensors))):
         rows += (*_units(base, param, grad), *_units(moment_base, exp_avg, exp_avg_sq), step.data_ptr(), param.numel(),
-                 count.data_ptr(), *[scale.data_ptr() if codes else 0 for scale in scales], skip_count)
+                 count.data_ptr(), *[scale.data_ptr() if codes else 0 for scale in scales], *_positions_row(positions),
+                 skip_count)
     return Tabulated(*_tables(tuple(rows), _ROUNDED_COLUMNS, like.device), like, moment_like, codes,
                      skip_counts is not None)
+
+
+def _positions_row(positions: EntryPositions | None) -> tuple[int, int, int]:
+    """A shard's positions as the table holds them: the addresses of its row and column positions, and its count of
+    columns; zeros for a whole tensor."""
+    if positions is None:
+        return 0, 0, 0
+    return positions.rows.data_ptr(), positions.columns.data_ptr(), len(positions.columns)
 
 
 def _addresses(tensors: Sequence[Tensor] | None, count: int) -> list[int]:
@@ -354,10 +390,10 @@ def launchable(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
 
 def launchable_rounded(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor,
                        rounding_count: Tensor, exp_avg_scales: Tensor | None, exp_avg_sq_scales: Tensor | None) -> bool:
-    """Whether the rounded kernel takes this parameter, whole (its entries' indices are their positions): parameter
-    and gradient of one shape and dtype it supports, moments of that shape stored as bfloat16 or, with float32
-    scales, as 8-bit codes along a last dim of whole CODE_BLOCKs, each where the kernel reads it (`adamw_takes`); a
-    float32 step count and an int64 rounding count."""
+    """Whether the rounded kernel takes this parameter (a whole tensor or a shard, whose positions it reads as they
+    are): parameter and gradient of one shape and dtype it supports, moments of that shape stored as bfloat16 or,
+    with float32 scales, as 8-bit codes along a last dim of whole CODE_BLOCKs, each where the kernel reads it
+    (`adamw_takes`); a float32 step count and an int64 rounding count."""
     dtype, shape = param.dtype, param.shape
     if exp_avg_scales is None and exp_avg_sq_scales is None:
         stored = torch.bfloat16
