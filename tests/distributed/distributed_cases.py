@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
+import traceback
 from unittest import mock
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,9 +21,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.torch_version import TorchVersion
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for kernel_under_test
-from kernel_under_test import optimizer, submodule  # noqa: E402
+from kernel_under_test import load_fallback_variant, optimizer, submodule  # noqa: E402
 from offload_recording import recorded_offload  # noqa: E402
 
 Muon = optimizer.Muon
@@ -538,6 +540,57 @@ def shard_positions_case() -> None:
                     assert len(positions.rows) + len(positions.columns) < local.numel(), (placements, shape)
 
 
+# The ops that read a tensor's value on the host: on a GPU each waits for the stream (`.item()`, `bool()`, `int()`,
+# a boolean mask's `nonzero`).
+HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+              "aten.equal.default", "aten.masked_select.default"}
+
+
+class HostReads(TorchDispatchMode):
+    """Each host read of a tensor's value while active, with the package's innermost frame that asked for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in HOST_READS:
+            frames = [frame for frame in traceback.extract_stack() if "/build/" in frame.filename]
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+            self.reads.append(f"{func} at {where}")
+        return func(*args, **(kwargs or {}))
+
+
+def no_host_reads_case() -> None:
+    """No distributed step, the first ones included, reads a tensor's value on the host, so on GPUs none waits for
+    the stream: the pipeline, the momentum, the normalizations, rounded state, the Gram iteration and the
+    preconditioner, on 1D and 2D meshes (strided shards too) and DDP replicas. Run on the package's torch-op paths,
+    which GPUs take (the compiled CPU ops read their host-side step sizes as numbers)."""
+    muon = load_fallback_variant().Muon
+    shapes = [*SHAPES, (7,)]
+    mesh, mesh_2d = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    runs = [(mesh, [Shard(1)], dict(state_dtype=torch.bfloat16, normalization="neuron")),
+            (mesh, [Shard(0)], dict(ns_algorithm="gram", chunk_size=1, preconditioner="aol")),
+            (mesh_2d, [_StridedShard(0, split_factor=2), Shard(0)], dict(state_dtype="int8", normalization="element")),
+            (mesh_2d, [Shard(0), Shard(1)], dict(adjust_lr_fn="spectral", scale_eps=True)),
+            (None, None, dict(state_dtype="int8", process_group=dist.group.WORLD))]
+    for run_mesh, placements, options in runs:
+        def placed(tensor: torch.Tensor) -> torch.Tensor:
+            if run_mesh is None:
+                return tensor
+            kept = [Replicate() if getattr(p, "dim", 0) >= tensor.ndim else p for p in placements]
+            return distribute_tensor(tensor, run_mesh, kept, src_data_rank=None)
+
+        params = [placed(tensor) for tensor in randn_tensors(shapes, seed=0)]
+        opt = muon(params, **(OPTIONS | options))
+        for step in range(STEPS):
+            for param, grad in zip(params, randn_tensors(shapes, seed=100 + step)):
+                param.grad = placed(grad)
+            with HostReads() as reads:
+                opt.step()
+        assert not reads.reads, (placements, options, reads.reads)
+
+
 def cases_for(world: int) -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {
         "fsdp2_fully_shard": partial(fsdp2_case, world),
@@ -639,4 +692,5 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
             dtensor_case, (4,), [Shard(1)], nan_at=(2, 1, (0, 2)), normalization="neuron")
         cases["mesh2x2_replicate_shard0"] = partial(dtensor_case, (2, 2), [Replicate(), Shard(0)])
         cases["shard_positions_follow_dtensor_placements"] = shard_positions_case
+        cases["no_host_reads_in_a_distributed_step"] = no_host_reads_case
     return cases
