@@ -348,9 +348,9 @@ def apply_update_(params: Sequence[Tensor], updates: Sequence[Tensor], decay: Te
     than flat or transposed, a batched conv's, is copied flat first, as torch's add_ would need it on the CPU):
     there torch's add_ first copies an update of another dtype to the parameter's (a bfloat16 update of a float32
     768 x 3072 parameter: a fresh float32 copy, then the add, then the decay's own pass), and reads a transposed
-    operand at a fifth of its speed. A strided parameter (a transposed or channels_last weight, a column of a larger
-    tensor) steps as its contiguous copy, written back: its entries round as a contiguous parameter's do (torch's
-    bfloat16 add_ rounds some of them otherwise). The others take the torch ops."""
+    operand at a fifth of its speed. The others take the torch ops. On the CPU, either way, a strided parameter (a
+    transposed or channels_last weight, a column of a larger tensor) steps as its contiguous copy, written back: its
+    entries round as a contiguous parameter's do (torch's 16-bit add_ rounds some of them otherwise)."""
     compiled = _eager_op(_APPLY_UPDATE_OP, params[0].device.type) if params else None
     by_op = [compiled is not None and update.shape == param.shape for param, update in zip(params, updates)]
     served = [i for i, taken in enumerate(by_op) if taken]
@@ -386,10 +386,15 @@ def is_contiguous_or_transposed(tensor: Tensor) -> bool:
 
 def _add_scaled_(param: Tensor, update: Tensor, step_size: float | Tensor) -> None:
     """param += step_size * update, computed in the two dtypes' common type and rounded to the parameter's; a
-    tensor step size is multiplied in on the device. On the CPU a strided update is copied into a contiguous one
-    first: torch's add_ read a transposed 768 x 3072 bf16 operand in 7.5 ms, a (blocked) copy took 1.5 and the add
-    then 0.7."""
+    tensor step size is multiplied in on the device. On the CPU a strided parameter steps as its contiguous copy
+    (see `apply_update_`), and a strided update is copied into a contiguous one first: torch's add_ read a
+    transposed 768 x 3072 bf16 operand in 7.5 ms, a (blocked) copy took 1.5 and the add then 0.7."""
     if param.device.type == "cpu":
+        if not param.is_contiguous():
+            stepped = param.contiguous()
+            _add_scaled_(stepped, update, step_size)
+            param.copy_(stepped)
+            return
         update = update.contiguous()
     if isinstance(step_size, Tensor):
         param.addcmul_(update, step_size.to(param.device))
