@@ -205,7 +205,8 @@ def validate_group(group: dict[str, Any], at_step: bool = False) -> None:
                              "no such key in the group)")
     check_bool("capturable", group["capturable"])
     check_bool("verbose", group["verbose"])
-    read_tensors = not (at_step and group["capturable"])
+    # bool(): torch 2.15's compiler traces `capturable` as a value that only answers truth tests, not `not`.
+    read_tensors = not (at_step and bool(group["capturable"]))
     for key in ("lr", "weight_decay", "eps", "adamw_eps"):
         _check_nonnegative(key, group[key], read_tensors)
     if not as_real(group["eps"]) > 0:
