@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,18 +52,27 @@ def _flattened_group(mesh: "dist.DeviceMesh") -> dist.ProcessGroup:
     layout = getattr(mesh, "_layout", None)
     if layout is None:
         return mesh._flatten().get_group()
-    from torch.distributed._mesh_layout import _MeshLayout
-
     root = mesh._get_root_mesh()
     # Kept with the root mesh, as torch keeps its flattened meshes, and made once per layout (every rank of the root
     # takes part in making it): meshes compare by value, so a cache of our own would hand a mesh rebuilt after a new
     # init_process_group the destroyed group of an equal one.
     groups = root.__dict__.setdefault("_muon_flattened_groups", {})
     if layout not in groups:
-        flat = type(mesh)(root.device_type, _layout=_MeshLayout([layout.collapse()]), _rank_map=root._rank_map,
+        flat = type(mesh)(root.device_type, _layout=_flat_layout(layout), _rank_map=root._rank_map,
                           mesh_dim_names=("_".join(mesh.mesh_dim_names),), _root_mesh=root)
         groups[layout] = flat.get_group()
     return groups[layout]
+
+
+def _flat_layout(layout: Any) -> Any:
+    """The one-dim layout over all of a mesh layout's ranks, in the form torch's own `_flatten` makes it: torch
+    2.13's layouts collapse into one flat axis, torch 2.12's coalesce and nest (its layouts have no `collapse`)."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    if hasattr(layout, "collapse"):
+        return _MeshLayout([layout.collapse()])
+    flat = layout.coalesce()
+    return flat.nest() if len(flat) > 1 else flat
 
 
 @lru_cache(maxsize=256)  # every step asks for every parameter: at 512 ranks an answer took over 0.7 ms of Python
