@@ -1,5 +1,6 @@
 """Muon for PyTorch: Newton-Schulz orthogonalized momentum for matrices, AdamW for the rest."""
 
+from . import torch_support  # noqa: F401  first: it refuses an older torch than the package runs on
 from .coefficients import polar_express_coefficients
 from .dispatch import gram, kernel_choice
 from .distributed.cost_model import DeviceModel, StepPlan, plan_step

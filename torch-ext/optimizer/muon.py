@@ -42,6 +42,7 @@ from .routing import MatrixView, check_forced_muon, muon_view
 from .state_layout import (ADAMW_MOMENTS, ADAMW_STATE, MUON_MOMENTS, MUON_STATE, keep_moments, keep_own_dtypes,
                            misplaced_state, misshapen_state, moment_form, param_state_keys, state_keys)
 from .state_precision import rounds_stochastically
+from .torch_support import check_distributed_torch
 from .workspace import Workspace
 
 # What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
@@ -216,6 +217,8 @@ class Muon(Optimizer):
         defaults = entered({**defaults, "betas": betas, "algo": algo, "fallback_lr_scale": fallback_lr_scale}, lr)
         validate_group(defaults)
         # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
+        if process_group is not None:
+            check_distributed_torch("a process_group")
         self.process_group = process_group
         self.qk_clip_threshold = check_threshold(qk_clip_threshold)
         check_choice("offload", offload, OFFLOAD_TARGETS)
@@ -270,6 +273,8 @@ class Muon(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            if any_dtensor(group["params"]):
+                check_distributed_torch("DTensor parameters")
             self._check_forced_muon(group)
             if group["ns_dtype"] is not None:
                 for device in {param.device for param in group["params"] if self._uses_muon(group, param)}:
