@@ -216,9 +216,9 @@ class Muon(Optimizer):
                         param_layout="auto")
         defaults = entered({**defaults, "betas": betas, "algo": algo, "fallback_lr_scale": fallback_lr_scale}, lr)
         validate_group(defaults)
-        # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         if process_group is not None:
             check_distributed_torch("a process_group")
+        # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         self.process_group = process_group
         self.qk_clip_threshold = check_threshold(qk_clip_threshold)
         check_choice("offload", offload, OFFLOAD_TARGETS)
