@@ -13,7 +13,8 @@ computation (its docstring says which and why).
 Shapes are per device: sizes where the kernels matter on a GPU; on a CPU, sizes that a 2-core machine ran in 43 s for
 the whole file at the runner's default 100 iterations. Matrix products run in float32 on CPUs (where the compiled
 symmetric kernel works) and in bfloat16 on GPUs (float16 below compute capability 8.0, which has no bfloat16 tensor
-cores).
+cores). A CUDA build of torch on a machine without a GPU, which the runner takes for a CUDA machine, runs the CPU
+workloads.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ NS_EPS = 1e-7
 LR = 0.15
 WEIGHT_DECAY = 0.1
 ADAMW_BETAS = (0.9, 0.95)
+
+
+def runnable_device(device: str) -> str:
+    """The runner's device, or the CPU where that is CUDA without a GPU: the runner names CUDA wherever torch is a
+    CUDA build (PyPI's Linux wheels, a notebook's CPU runtime), GPU or not."""
+    return "cpu" if device == "cuda" and not torch.cuda.is_available() else device
 
 
 def device_kind(device: str) -> str:
@@ -104,10 +111,14 @@ class SquareAndWide:
     `_ours()` and `_reference()`. Not a Benchmark itself, so the runner does not run it on its own."""
 
     def setup_square(self) -> None:
-        self._setup("square")
+        self._setup_on_runnable_device("square")
 
     def setup_wide(self) -> None:
-        self._setup("wide")
+        self._setup_on_runnable_device("wide")
+
+    def _setup_on_runnable_device(self, workload: str) -> None:
+        self.device = runnable_device(self.device)
+        self._setup(workload)
 
     def benchmark_square(self) -> None:
         self._ours()
@@ -217,6 +228,7 @@ class MuonStep(Benchmark):
     }
 
     def setup_gpt(self) -> None:
+        self.device = runnable_device(self.device)
         width, blocks = self.workloads[device_kind(self.device)]["gpt"]
         matrices, vectors = gpt_blocks(width, blocks)
         shapes = [*matrices, *((size,) for size in vectors)]

@@ -13,9 +13,11 @@ from pathlib import Path
 from types import ModuleType
 
 import kernels
+import kernels.backends
 import kernels.cli
 import kernels.cli.benchmark as runner
 import pytest
+from packaging.version import Version
 import tabulate  # noqa: F401  (kernels[benchmark]: without it `kernels benchmark` refuses to start)
 import torch
 from kernel_under_test import optimizer
@@ -69,6 +71,15 @@ def test_every_workload_is_discovered_run_and_verified(monkeypatch: pytest.Monke
     results = json.loads(output.read_text())["results"]
     assert {result["workload"] for result in results} == WORKLOADS
     assert all(result["verified"] is True for result in results)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_a_cuda_torch_without_a_gpu_runs_the_cpu_workloads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The runner takes its device from how torch was built, as under PyPI's CUDA wheels on a machine with no GPU.
+    monkeypatch.setattr(runner, "_backend", lambda: kernels.backends.CUDA(version=Version("13.0")))
+    output = tmp_path / "results.json"
+    run_cli(monkeypatch, "--output", str(output))
+    assert all(result["verified"] is True for result in json.loads(output.read_text())["results"])
 
 
 def gram_2_percent_too_large(kernel: ModuleType) -> Callable[..., torch.Tensor]:
