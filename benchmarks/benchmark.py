@@ -160,7 +160,6 @@ class Gram(SquareAndWide, Benchmark):
         return torch.mm(self.X, self.X.mT)
 
 
-
 class Zeropower(SquareAndWide, Benchmark):
     """`optimizer.zeropower` against `newton_schulz_reference` (torch.optim.Muon's iteration in public operations):
     5 steps of torch.optim.Muon's coefficients, both in the matmul dtype.
@@ -196,7 +195,6 @@ class Zeropower(SquareAndWide, Benchmark):
 
     def _reference(self) -> Tensor:
         return newton_schulz_reference(self.G, self.coefficients)
-
 
 
 class MuonStep(Benchmark):

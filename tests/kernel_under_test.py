@@ -3,17 +3,26 @@
 `make build` (tools/build.py) writes build/ first. `kernels` picks the variant for this machine: the compiled arch
 variant (e.g. torch213-cxx11-cpu-x86_64-linux, or the CUDA one with a CUDA torch). Tests import it as
 `from kernel_under_test import optimizer`.
+
+With OPTIMIZER_VARIANT_UNDER_TEST=noarch (the release workflow's job for a torch no arch variant serves), build/ holds
+only the noarch variants, which users of such a torch load: the package is checked to be one, and the tests of the
+compiled ops (`compiled_ops`) skip. Anywhere else a build without them fails those tests.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from kernels import get_local_kernel
 
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build"
+NOARCH_UNDER_TEST = os.environ.get("OPTIMIZER_VARIANT_UNDER_TEST") == "noarch"
+NO_COMPILED_OPS = "pure PyTorch fallback"
+compiled_ops = pytest.mark.skipif(NOARCH_UNDER_TEST, reason="tests the compiled ops, which the noarch variant lacks")
 
 
 def _load(path: Path, backend: str | None = None) -> ModuleType:
@@ -23,8 +32,9 @@ def _load(path: Path, backend: str | None = None) -> ModuleType:
 
 
 def load_cpu_variant() -> ModuleType:
-    """The compiled CPU arch variant (the same module as `optimizer` on a machine whose torch has no CUDA)."""
-    return _load(BUILD_DIR, backend="cpu")
+    """The compiled CPU arch variant (the same module as `optimizer` on a machine whose torch has no CUDA); under
+    OPTIMIZER_VARIANT_UNDER_TEST=noarch, build/torch-cpu."""
+    return _checked(_load(BUILD_DIR, backend="cpu"))
 
 
 def load_fallback_variant() -> ModuleType:
@@ -37,4 +47,12 @@ def submodule(package: ModuleType, name: str) -> ModuleType:
     return importlib.import_module(f"{package.__name__}.{name}")
 
 
-optimizer = _load(BUILD_DIR)
+def _checked(package: ModuleType) -> ModuleType:
+    summary = submodule(package, "native").ops_summary()
+    if NOARCH_UNDER_TEST and not summary.startswith(NO_COMPILED_OPS):
+        raise RuntimeError(f"OPTIMIZER_VARIANT_UNDER_TEST=noarch, but {package.__name__} has {summary}: build/ "
+                           "should hold only the noarch variants (tools/build.py --noarch-only)")
+    return package
+
+
+optimizer = _checked(_load(BUILD_DIR))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, submodule
+
+pytestmark = compiled_ops
 
 native = submodule(load_cpu_variant(), "native")
 SETTINGS = dict(lr=0.01, eps=1e-8, weight_decay=0.1)

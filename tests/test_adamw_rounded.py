@@ -8,8 +8,10 @@ import math
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, load_fallback_variant, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, load_fallback_variant, submodule
 from test_state_precision import adamw_trained
+
+pytestmark = compiled_ops
 
 native = submodule(load_cpu_variant(), "native")
 state_precision = submodule(load_cpu_variant(), "state_precision")

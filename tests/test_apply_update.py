@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, load_fallback_variant, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, load_fallback_variant, submodule
 
 PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # float64: ns_dtype=torch.float64 orthogonalizes in double; torch's add_ adds such an update in double, rounding once.
@@ -17,7 +17,7 @@ UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 SHAPES = ((7,), (33, 17), (70001,))
 
 
-@pytest.fixture(params=["compiled", "fallback"])
+@pytest.fixture(params=[pytest.param("compiled", marks=compiled_ops), "fallback"])
 def native(request: pytest.FixtureRequest) -> ModuleType:
     module = submodule(load_cpu_variant() if request.param == "compiled" else load_fallback_variant(), "native")
     assert module.ops_summary().startswith("compiled ops" if request.param == "compiled" else "pure PyTorch")
@@ -124,6 +124,7 @@ def test_a_strided_parameter_steps_as_its_contiguous_copy_and_nothing_beside_it_
     assert torch.equal(base[..., 0::2], before[..., 0::2])
 
 
+@compiled_ops
 def test_compiled_op_runs_on_cpu_tensors() -> None:
     native = submodule(load_cpu_variant(), "native")
     with torch.profiler.profile() as profile:
@@ -152,6 +153,7 @@ def _bad_calls() -> list[tuple[str, tuple, str]]:
 
 
 @pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[case for case, _, _ in _bad_calls()])
+@compiled_ops
 def test_compiled_op_rejects_bad_arguments_naming_them(case: int) -> None:
     ops = submodule(load_cpu_variant(), "_ops").ops
     _, arguments, message = _bad_calls()[case]

@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, load_fallback_variant, optimizer, submodule
 
 # The compiled CPU build, also where the package under test is the CUDA variant (a CUDA torch), which has no CPU ops.
 cpu_build = load_cpu_variant()
@@ -37,7 +37,7 @@ def _backward(model: torch.nn.Module, seed: int, *more: torch.nn.Module) -> None
         each(tokens).float().square().mean().backward()
 
 
-@pytest.fixture(params=["squared_norms_ op", "tensor norms"])
+@pytest.fixture(params=[pytest.param("squared_norms_ op", marks=compiled_ops), "tensor norms"])
 def package(request: pytest.FixtureRequest):
     """The package whose clip reads the gradients the named way: the CPU build's compiled op (L2), or torch's
     per-tensor norms (the build without compiled ops)."""
@@ -56,6 +56,7 @@ def _twins(package=cpu_build, **options) -> tuple[torch.nn.Module, torch.nn.Modu
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("numel", [0, 1, 17, 32768, 70001])
+@compiled_ops
 def test_squared_norms_match_float64_sums(dtype: torch.dtype, numel: int) -> None:
     tensors = [torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype), torch.randn(3, 5)]
     expected = [tensor.double().square().sum() for tensor in tensors]
@@ -63,6 +64,7 @@ def test_squared_norms_match_float64_sums(dtype: torch.dtype, numel: int) -> Non
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@compiled_ops
 def test_squared_norms_are_finite_exactly_where_tensors_are(dtype: torch.dtype) -> None:
     largest = torch.finfo(dtype).max
     tensors = [torch.full((40000,), largest, dtype=dtype)]  # finite, though its float32 sum of squares overflows
@@ -82,6 +84,7 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("max_norm", [0.0, 0.05, 1e9, math.inf])  # 0: torch zeroes every gradient
+@compiled_ops
 def test_clip_matches_torch_clip(dtype: torch.dtype, max_norm: float) -> None:
     model = _model(dtype)
     reference = copy.deepcopy(model)
@@ -269,6 +272,7 @@ def test_invalid_max_norm_raises_value_error_naming_it(max_norm: object) -> None
         torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
 
 
+@compiled_ops
 def test_float64_gradients_too_large_to_square_are_finite() -> None:
     """Their float64 squares overflow, so their finite flags come from the exact check: the step goes on."""
     param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kernel_under_test import load_cpu_variant, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, submodule
 
 # CPU tensors, so the compiled CPU variant (on a GPU machine `optimizer` is the CUDA one, whose library has no CPU op).
 optimizer = load_cpu_variant()
@@ -18,10 +18,11 @@ native = submodule(optimizer, "native")
 # TRITON_INTERPRET=1 unless the run asks for compiled Triton on a GPU). The interpreter is slow per tile, so shapes
 # stay small.
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-CPU_BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.skipif(
+CPU_BACKENDS = ["torch", pytest.param("cpu", marks=compiled_ops), pytest.param("triton", marks=pytest.mark.skipif(
     not INTERPRETER, reason="Triton runs on CPU tensors only under its interpreter"))]
 
 
+@compiled_ops
 def test_compiled_cpu_kernel_is_in_this_build() -> None:
     assert native.has_compiled_symmetric_gram("cpu")
 
@@ -61,6 +62,7 @@ def test_the_gram_iteration_is_as_near_its_float64_result_through_every_backend(
     assert error <= 2.5e-6, error  # measured 9.6e-7 and 7.7e-7 through torch, 9.2e-7 and 9.2e-7 through the op
 
 
+@compiled_ops
 def test_a_forced_backend_runs_the_products_of_a_16_bit_gram_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
     # On a CPU a bfloat16 Gram iteration runs its m x m part in float32: there the choice for float32 replaced the
     # backend the caller forced.
@@ -83,6 +85,7 @@ def test_backend_that_cannot_run_here_is_named() -> None:
         optimizer.zeropower(X, backend="cuda")
 
 
+@compiled_ops
 def test_the_cpu_op_refuses_tensors_on_another_device_and_dtypes_it_lacks() -> None:
     # The compiled CPU op is in this build, so only the device and the dtype can rule it out: a meta tensor (as a
     # model built on the meta device has) and a float8 or complex matrix must not reach it.
@@ -106,6 +109,7 @@ def test_a_name_that_is_no_backend_is_a_value_error() -> None:
 
 
 @pytest.mark.parametrize("units", [("amx_bf16", "avx512_bf16"), ("avx512_bf16",), ()])
+@compiled_ops
 def test_kernel_choice_by_device_dtype_and_shape(monkeypatch: pytest.MonkeyPatch, units: tuple[str, ...]) -> None:
     monkeypatch.setattr(dispatch, "cpu_matrix_units", lambda: frozenset(units))
     small, large = (64, 256), (dispatch.CPU_MIN_ROWS, 2 * dispatch.CPU_MIN_ROWS)
@@ -116,6 +120,7 @@ def test_kernel_choice_by_device_dtype_and_shape(monkeypatch: pytest.MonkeyPatch
         assert optimizer.kernel_choice(large, dtype, "cpu") == ("cpu" if wins else "torch"), dtype
 
 
+@compiled_ops
 def test_kernel_choice_sizes_the_gram_matrix_by_the_shorter_side_from_512_rows() -> None:
     # README: the compiled op "from 512 rows up for fp32/fp64", `torch.mm` below. zeropower iterates on the wide
     # orientation, so a tall (4096, 64) matrix's Gram matrix is 64 x 64 whichever way the shape is given.
@@ -138,6 +143,7 @@ def recorded_gram_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]
     return calls
 
 
+@compiled_ops
 def test_gram_of_a_tall_matrix_sizes_the_choice_by_its_gram_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
     # X Xᵀ of a (512, 64) X is 512 x 512, the size from which the compiled op runs, though X's shorter side is 64.
     calls = recorded_gram_calls(monkeypatch)
@@ -159,6 +165,7 @@ def test_kernel_choice_on_gpus_follows_the_measured_table(monkeypatch: pytest.Mo
             assert chosen == ("triton" if wins else "torch"), (capability, rows, dtype, chosen)
 
 
+@compiled_ops
 def test_muon_step_uses_the_chosen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = recorded_gram_calls(monkeypatch)
     rows = dispatch.CPU_MIN_ROWS

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, load_fallback_variant, optimizer, submodule
 
 HAS_CUDA = torch.cuda.is_available()
 BUFFER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -22,7 +22,9 @@ SHAPES = ((1,), (7,), (3, 5), (33, 17), (70001,), (2, 3, 4))
 
 def _paths() -> list:
     needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
-    return [pytest.param((kind, device), id=f"{kind}-{device}", marks=needs_cuda if device == "cuda" else ())
+    return [pytest.param((kind, device), id=f"{kind}-{device}",
+                         marks=[mark for mark, applies in ((needs_cuda, device == "cuda"),
+                                                           (compiled_ops, kind == "compiled")) if applies])
             for device in ("cpu", "cuda") for kind in ("compiled", "fallback")]
 
 
@@ -236,6 +238,7 @@ def test_compiled_op_really_runs(path) -> None:
     assert ran_compiled == native.ops_summary().startswith("compiled ops")
 
 
+@compiled_ops
 def test_compiled_op_checks_its_finite_argument() -> None:
     # Direct callers of the op (not through native.py, which allocates `finite`) get a ValueError from the C++ checks.
     ops = submodule(load_cpu_variant(), "_ops").ops
@@ -245,6 +248,7 @@ def test_compiled_op_checks_its_finite_argument() -> None:
             ops.muon_momentum_([buffer], [grad], [update], finite, 0.9, False)
 
 
+@compiled_ops
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_compiled_cuda_op_checks_devices_itself() -> None:
     # Mixed CPU and CUDA tensors dispatch to the CUDA kernel, whose checks must name the stray argument.
@@ -348,6 +352,7 @@ def test_finite_flags_device_mismatch_raises_value_error(path) -> None:
         native.finite_flags([torch.zeros(3, device=device), torch.zeros(3, device=other)])
 
 
+@compiled_ops
 def test_compiled_finite_flags_op_checks_its_arguments() -> None:
     ops = submodule(load_cpu_variant(), "_ops").ops
     for finite in (torch.zeros(2), torch.zeros(1, dtype=torch.float64), torch.zeros(1, 1)):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, load_fallback_variant, optimizer, submodule
+
+pytestmark = compiled_ops
 
 native = submodule(load_cpu_variant(), "native")
 normalization = submodule(load_cpu_variant(), "normalization")

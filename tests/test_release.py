@@ -20,6 +20,7 @@ TESTS_DIR = REPO_ROOT / "tests"
 WORKFLOWS_DIR = REPO_ROOT / ".github" / "workflows"
 RELEASE_WORKFLOW = WORKFLOWS_DIR / "build.yaml"
 VARIANT_WORKFLOW = WORKFLOWS_DIR / "build-variant.yaml"
+TEST_WORKFLOW = WORKFLOWS_DIR / "test-package.yaml"
 KERNEL_BUILDER_VARIANTS = REPO_ROOT / ".github" / "kernel-builder-variants.toml"
 README = REPO_ROOT / "README.md"
 README_SECTION = "## Releases on the Hub"
@@ -193,8 +194,15 @@ def test_noarch_job_builds_one_variant_per_backend() -> None:
                 "the noarch job's variants against build.toml's backends")
 
 
+def test_a_release_waits_for_the_noarch_variants_tests() -> None:
+    noarch_test = job(RELEASE_WORKFLOW, "noarch-test")
+    assert noarch_test["uses"].endswith(f"/{TEST_WORKFLOW.relative_to(REPO_ROOT)}")
+    assert noarch_test["with"] == {"variant": "noarch"} and noarch_test["needs"] == "noarch"
+    assert "noarch-test" in job(RELEASE_WORKFLOW, "upload")["needs"]
+
+
 def test_ci_runs_every_test_file_that_loads_the_package() -> None:
-    listed = set(job(VARIANT_WORKFLOW, "test")["env"]["PACKAGE_TESTS"].split())
+    listed = set(job(TEST_WORKFLOW, "test")["env"]["PACKAGE_TESTS"].split())
     assert_same(listed, files_loading_the_package() - BUILD_TOOL_TESTS,
                 "PACKAGE_TESTS against the test files that import kernel_under_test")
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, load_fallback_variant, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, load_fallback_variant, submodule
 from test_native_ops import path  # noqa: F401 (the fixture: compiled and fallback, per device)
 
 state_precision = submodule(load_fallback_variant(), "state_precision")
@@ -117,6 +117,7 @@ def test_rounding_is_unbiased_across_counts(path, form: str) -> None:
     assert errors.std().item() > 0.1  # the roundings really differ between entries and counts
 
 
+@compiled_ops
 def test_compiled_kernel_matches_the_composition_it_fuses() -> None:
     # The pure-PyTorch path (working copy, torch.lerp, state_precision's rounding) is the specification the CPU kernel
     # implements with the same random bits and float32 operations. Only torch.lerp's and the kernel's choice of fused
@@ -202,6 +203,7 @@ def _bad_calls() -> list[tuple[str, dict, str]]:
 
 
 @pytest.mark.parametrize("case", _bad_calls(), ids=lambda case: case[0])
+@compiled_ops
 def test_compiled_op_rejects_bad_arguments_naming_them(case) -> None:
     _, arguments, message = case
     ops = submodule(load_cpu_variant(), "_ops").ops
@@ -240,6 +242,7 @@ def _moment(key: str, form: str, shape: tuple, seed: int) -> tuple[torch.Tensor,
 
 
 @pytest.mark.parametrize("key, form", MOMENT_CODES)
+@compiled_ops
 def test_compiled_moment_ops_match_the_tensor_ops_bit_for_bit(key: str, form: str) -> None:
     compiled, fallback = (submodule(variant, "native") for variant in (load_cpu_variant(), load_fallback_variant()))
     for seed, shape in enumerate(SHAPES):

@@ -11,8 +11,9 @@ from types import ModuleType
 
 import pytest
 import torch
-from kernel_under_test import load_cpu_variant, load_fallback_variant, optimizer, submodule
+from kernel_under_test import compiled_ops, load_cpu_variant, load_fallback_variant, optimizer, submodule
 
+pytestmark = compiled_ops
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # (m, k) and (B, m, k) around the CPU kernel's tilings. SMALL_SHAPES fit one 256-row panel (a batch of them is one
