@@ -35,10 +35,10 @@ def test_a_supported_torch_is_accepted(version: str) -> None:
 
 
 def test_distributed_use_below_its_floor_is_refused_naming_what_and_the_versions() -> None:
-    expected = r"DTensor parameters: supported from torch 2\.11 on .* this is torch 2\.10\.0"
+    expected = r"DTensor parameters: supported from torch 2\.10 on .* this is torch 2\.9\.1"
     with pytest.raises(RuntimeError, match=expected):
-        torch_support.check_distributed_torch("DTensor parameters", "2.10.0")
-    torch_support.check_distributed_torch("DTensor parameters", "2.11.0")
+        torch_support.check_distributed_torch("DTensor parameters", "2.9.1")
+    torch_support.check_distributed_torch("DTensor parameters", "2.10.0")
 
 
 def test_an_unrecognized_version_is_refused_naming_it() -> None:
@@ -49,6 +49,6 @@ def test_an_unrecognized_version_is_refused_naming_it() -> None:
 def test_a_process_group_on_an_older_torch_is_refused_before_the_optimizer_exists(monkeypatch) -> None:
     muon = submodule(optimizer, "muon")
     monkeypatch.setattr(muon, "check_distributed_torch",
-                        lambda what: torch_support.check_distributed_torch(what, "2.10.0"))
-    with pytest.raises(RuntimeError, match="a process_group: supported from torch 2.11 on"):
+                        lambda what: torch_support.check_distributed_torch(what, "2.9.1"))
+    with pytest.raises(RuntimeError, match="a process_group: supported from torch 2.10 on"):
         optimizer.Muon([torch.nn.Parameter(torch.randn(4, 4))], process_group=object())

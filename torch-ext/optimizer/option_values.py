@@ -41,8 +41,9 @@ def _as_float(value: numbers.Real) -> float:
 
 def as_integer(value: Any) -> int | None:
     """A Python or numpy integer, or a one-element integer tensor, as an int; None for anything else (bool included)."""
-    if isinstance(value, bool) or (isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex()
-                                                                   or value.dtype == torch.bool)):
+    # None (an unset option) is answered before operator.index: torch 2.10's compiler cannot trace the TypeError.
+    if value is None or isinstance(value, bool) or (isinstance(value, Tensor) and (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)):
         return None
     try:
         return operator.index(value)
