@@ -48,8 +48,7 @@ def submodule(package: ModuleType, name: str) -> ModuleType:
 
 
 def _checked(package: ModuleType) -> ModuleType:
-    summary = submodule(package, "native").ops_summary()
-    if NOARCH_UNDER_TEST and not summary.startswith(NO_COMPILED_OPS):
+    if NOARCH_UNDER_TEST and not (summary := submodule(package, "native").ops_summary()).startswith(NO_COMPILED_OPS):
         raise RuntimeError(f"OPTIMIZER_VARIANT_UNDER_TEST=noarch, but {package.__name__} has {summary}: build/ "
                            "should hold only the noarch variants (tools/build.py --noarch-only)")
     return package

@@ -65,10 +65,15 @@ def run_cli(monkeypatch: pytest.MonkeyPatch, *arguments: str) -> None:
         kernels.cli.main()
 
 
-def test_every_workload_is_discovered_run_and_verified(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def benchmark_results(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict]:
+    """The runner's result per workload, as it writes them with --output."""
     output = tmp_path / "results.json"
     run_cli(monkeypatch, "--output", str(output))
-    results = json.loads(output.read_text())["results"]
+    return json.loads(output.read_text())["results"]
+
+
+def test_every_workload_is_discovered_run_and_verified(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    results = benchmark_results(monkeypatch, tmp_path)
     assert {result["workload"] for result in results} == WORKLOADS
     assert all(result["verified"] is True for result in results)
 
@@ -77,9 +82,7 @@ def test_every_workload_is_discovered_run_and_verified(monkeypatch: pytest.Monke
 def test_a_cuda_torch_without_a_gpu_runs_the_cpu_workloads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # The runner takes its device from how torch was built, as under PyPI's CUDA wheels on a machine with no GPU.
     monkeypatch.setattr(runner, "_backend", lambda: kernels.backends.CUDA(version=Version("13.0")))
-    output = tmp_path / "results.json"
-    run_cli(monkeypatch, "--output", str(output))
-    assert all(result["verified"] is True for result in json.loads(output.read_text())["results"])
+    assert all(result["verified"] is True for result in benchmark_results(monkeypatch, tmp_path))
 
 
 def gram_2_percent_too_large(kernel: ModuleType) -> Callable[..., torch.Tensor]:
