@@ -1,12 +1,12 @@
-"""The torch releases the package accepts: older ones are refused at import, and distributed use below the
-distributed floor, each naming the torch found and the one needed (README, "Which torch")."""
+"""The torch releases the package accepts: older ones are refused at import, naming the torch found and the one
+needed (README, "Which torch"); and what torch 2.9 does otherwise than later releases, which the step refuses or
+avoids (tests/distributed: test_distributed_plan's strided runs, the compiled FSDP2 case)."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-import torch
 from kernel_under_test import optimizer, submodule
 
 torch_support = submodule(optimizer, "torch_support")
@@ -20,7 +20,6 @@ def test_a_version_string_gives_its_release(version: str, release: tuple[int, in
 
 def test_the_running_torch_is_accepted() -> None:
     torch_support.check_torch()  # the package imported above under it; the call must agree
-    torch_support.check_distributed_torch("DTensor parameters")
 
 
 @pytest.mark.parametrize("version", ["2.8.0", "2.7.1+cu126", "1.13.1"])
@@ -34,21 +33,14 @@ def test_a_supported_torch_is_accepted(version: str) -> None:
     torch_support.check_torch(version)
 
 
-def test_distributed_use_below_its_floor_is_refused_naming_what_and_the_versions() -> None:
-    expected = r"DTensor parameters: supported from torch 2\.10 on .* this is torch 2\.9\.1"
-    with pytest.raises(RuntimeError, match=expected):
-        torch_support.check_distributed_torch("DTensor parameters", "2.9.1")
-    torch_support.check_distributed_torch("DTensor parameters", "2.10.0")
+@pytest.mark.parametrize("version, placed", [("2.9.1", False), ("2.9.0+cu128", False), ("2.10.0", True),
+                                             ("2.15.0+cu132", True)])
+def test_torch_2_9_alone_misplaces_uneven_strided_shards_and_cannot_compile_dtensor_steps(version: str,
+                                                                                          placed: bool) -> None:
+    assert torch_support.places_uneven_strided_shards(version) is placed
+    assert torch_support.compiles_dtensor_steps(version) is placed
 
 
 def test_an_unrecognized_version_is_refused_naming_it() -> None:
     with pytest.raises(RuntimeError, match="'nightly'"):
         torch_support.torch_release("nightly")
-
-
-def test_a_process_group_on_an_older_torch_is_refused_before_the_optimizer_exists(monkeypatch) -> None:
-    muon = submodule(optimizer, "muon")
-    monkeypatch.setattr(muon, "check_distributed_torch",
-                        lambda what: torch_support.check_distributed_torch(what, "2.9.1"))
-    with pytest.raises(RuntimeError, match="a process_group: supported from torch 2.10 on"):
-        optimizer.Muon([torch.nn.Parameter(torch.randn(4, 4))], process_group=object())

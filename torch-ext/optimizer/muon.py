@@ -42,7 +42,7 @@ from .routing import MatrixView, check_forced_muon, muon_view
 from .state_layout import (ADAMW_MOMENTS, ADAMW_STATE, MUON_MOMENTS, MUON_STATE, keep_moments, keep_own_dtypes,
                            misplaced_state, misshapen_state, moment_form, param_state_keys, state_keys)
 from .state_precision import rounds_stochastically
-from .torch_support import check_distributed_torch
+from .torch_support import COMPILED_DTENSOR_STEPS_TORCH, compiles_dtensor_steps, release_name
 from .workspace import Workspace
 
 # What a copied or unpickled optimizer holds in place of the process group it was built with: a process group
@@ -216,8 +216,6 @@ class Muon(Optimizer):
                         param_layout="auto")
         defaults = entered({**defaults, "betas": betas, "algo": algo, "fallback_lr_scale": fallback_lr_scale}, lr)
         validate_group(defaults)
-        if process_group is not None:
-            check_distributed_torch("a process_group")
         # An attribute, not a group option: param_groups go into state dicts, and a process group cannot be saved.
         self.process_group = process_group
         self.qk_clip_threshold = check_threshold(qk_clip_threshold)
@@ -252,6 +250,7 @@ class Muon(Optimizer):
         self._held = {}
         self._staged_updates = StagedUpdates()
         self._checked_gradients = None
+        self._note_compile_support()
         for group in self.param_groups:  # a copy from before an option existed gets its default
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -273,8 +272,6 @@ class Muon(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            if any_dtensor(group["params"]):
-                check_distributed_torch("DTensor parameters")
             self._check_forced_muon(group)
             if group["ns_dtype"] is not None:
                 for device in {param.device for param in group["params"] if self._uses_muon(group, param)}:
@@ -284,6 +281,13 @@ class Muon(Optimizer):
         except BaseException:  # a warning raised as an error too: a rejected group leaves the optimizer as it was
             self.param_groups.pop()
             raise
+        self._note_compile_support()
+
+    def _note_compile_support(self) -> None:
+        """Whether the step's update must run uncompiled under torch.compile: on a torch whose compiler cannot trace a
+        step that reads DTensor parameters (`torch_support.COMPILED_DTENSOR_STEPS_TORCH`), for optimizers of them."""
+        self._uncompiled_update = (not compiles_dtensor_steps()
+                                   and any(any_dtensor(group["params"]) for group in self.param_groups))
 
     def _log_routing(self, group: dict[str, Any]) -> None:
         """timm's `verbose`: where each parameter of a new group goes, and why (logged at INFO)."""
@@ -689,8 +693,19 @@ class Muon(Optimizer):
         if closure is not None:  # under the caller's autocast, as torch's optimizers run it
             with torch.enable_grad():
                 loss = closure()
-        self._update(qk_logits, threshold)
+        if self._uncompiled_update and torch.compiler.is_compiling():
+            warnings.warn(f"Muon: torch {torch.__version__}'s compiler cannot trace a step over DTensor parameters, so "
+                          f"under torch.compile the update runs uncompiled (torch >= "
+                          f"{release_name(COMPILED_DTENSOR_STEPS_TORCH)} compiles it)", stacklevel=2)
+            self._update_eagerly(qk_logits, threshold)
+        else:
+            self._update(qk_logits, threshold)
         return loss
+
+    @torch.compiler.disable
+    def _update_eagerly(self, qk_logits: Mapping[Hashable, Tensor], threshold: float | None) -> None:
+        """`_update`, a graph break under torch.compile (see `_note_compile_support`)."""
+        self._update(qk_logits, threshold)
 
     @without_autocast
     def _update(self, qk_logits: Mapping[Hashable, Tensor], threshold: float | None) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .distributed.comm import mesh_group
-from .distributed.dtensors import is_dtensor, is_shard, local_tensor
+from .distributed.dtensors import is_dtensor, is_shard, local_tensor, misplaced_strided_runs
 from .distributed.layout import local_indices
 from .option_values import as_real
 
@@ -115,10 +115,15 @@ def _check_layer(name: Hashable, layer: QKClipLayer) -> None:
 def _check_placements(name: str, tensor: Tensor) -> None:
     """A DTensor projection's placements are ones the clip finds its local rows under (`local_indices`): checked when
     the layers are given, not after a step's update."""
-    for placement in tensor.placements if is_dtensor(tensor) else ():
+    if not is_dtensor(tensor):
+        return
+    for placement in tensor.placements:
         if not placement.is_replicate() and not is_shard(placement):
             raise ValueError(f"Invalid {name}: placement {placement!r} (QK-clip takes Shard(dim), _StridedShard(dim) "
                              "and Replicate(): a parameter's own values, not pending partial sums)")
+    misplaced = misplaced_strided_runs(tuple(tensor.shape), tuple(tensor.device_mesh.shape), tuple(tensor.placements))
+    if misplaced is not None:
+        raise ValueError(f"Invalid {name}: shape {tuple(tensor.shape)}: {misplaced}")
 
 
 @torch.no_grad()  # the weights are a model's leaf parameters: scaled in place, as an optimizer's step does

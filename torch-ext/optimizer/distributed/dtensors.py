@@ -7,6 +7,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from ..torch_support import UNEVEN_STRIDED_SHARDS_TORCH, places_uneven_strided_shards, release_name
+
 try:
     from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
     # FSDP2 on top of tensor parallelism shards a dim twice and labels the outer split this way; private, but
@@ -56,6 +58,24 @@ def sharded_tensor_dim(placement: "Placement", ndim: int) -> int | None:
 def shard_dim(placement: "Placement") -> int | None:
     """The tensor dim a plain Shard placement splits, else None (Replicate, _StridedShard or another kind)."""
     return placement.dim if type(placement) is Shard else None
+
+
+def misplaced_strided_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: Sequence["Placement"],
+                           version: str = torch.__version__) -> str | None:
+    """Why torch `version`'s DTensor misplaces the rows of these placements, or None: a _StridedShard cutting its dim
+    into unequal runs, on a torch that puts their rows elsewhere than FSDP2 does (`torch_support`). A step or clip
+    through them would work on rows reassembled in another order, silently: local shapes often match."""
+    if places_uneven_strided_shards(version):
+        return None
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            dim, runs = sharded_tensor_dim(placement, len(shape)), placement.split_factor * mesh_shape[mesh_dim]
+            if shape[dim] % runs:
+                return (f"placement {placement!r} on a mesh dim of {mesh_shape[mesh_dim]} cuts its dim {dim} "
+                        f"({shape[dim]}) into {runs} unequal runs, whose rows torch {version}'s DTensor places "
+                        f"elsewhere than FSDP2 puts them: use torch >= {release_name(UNEVEN_STRIDED_SHARDS_TORCH)}, "
+                        f"or a dim {dim} divisible by {runs}")
+    return None
 
 
 def splits_last_dim(tensor: Tensor) -> bool:

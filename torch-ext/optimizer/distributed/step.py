@@ -21,7 +21,8 @@ from ..newton_schulz import Orthogonalizer
 from ..normalization import uses_rms_rule
 from . import comm
 from .assignment import plan_spread
-from .dtensors import Placement, is_dtensor, is_shard, local_or_none, local_tensor, placed_like
+from .dtensors import (Placement, is_dtensor, is_shard, local_or_none, local_tensor, misplaced_strided_runs,
+                       placed_like)
 from .finite import finite_everywhere
 from .layout import ShardLayout, int_tensor_on, replicated_layout, shard_positions, sharded_layout
 from .pipeline import SpreadItem, SpreadSettings, chunk_pipeline, run_staggered
@@ -106,9 +107,13 @@ def _check_placements(param: Tensor) -> None:
 
 def check_spread_param(param: Tensor) -> None:
     """What a distributed update refuses of a DTensor parameter, asked of every one before any update: a placement
-    it cannot spread over, or a local shard other than its placements give (`DTensor.from_local` with
-    `run_check=False` trusts the caller), which the update meets only at the parameter's chunk."""
+    it cannot spread over, strided runs its torch misplaces (`misplaced_strided_runs`), or a local shard other than its
+    placements give (`DTensor.from_local` with `run_check=False` trusts the caller), which the update meets only at
+    the parameter's chunk."""
     _check_placements(param)
+    misplaced = misplaced_strided_runs(tuple(param.shape), tuple(param.device_mesh.shape), tuple(param.placements))
+    if misplaced is not None:
+        raise RuntimeError(f"Muon: a parameter of shape {tuple(param.shape)}: {misplaced}")
     expected = _local_shape(tuple(param.shape), param.device_mesh, tuple(param.placements))
     if tuple(local_tensor(param).shape) != expected:
         raise RuntimeError(f"Muon: the local shard of a parameter of global shape {tuple(param.shape)} has shape "
