@@ -106,19 +106,30 @@ def flat_parameters(start: Tensor, shapes: Sequence[tuple[int, ...]],
     return flat, params
 
 
-class SquareAndWide:
+class OnRunnableDevice:
+    """The device the runner sets, as `runnable_device` makes it, for every benchmark below. Not a Benchmark itself,
+    so the runner does not run it on its own."""
+
+    _device = "cpu"
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @device.setter
+    def device(self, device: str) -> None:
+        self._device = runnable_device(device)
+
+
+class SquareAndWide(OnRunnableDevice):
     """Two workloads, "square" and "wide", that differ only in their data. The class supplies `_setup(workload)`,
     `_ours()` and `_reference()`. Not a Benchmark itself, so the runner does not run it on its own."""
 
     def setup_square(self) -> None:
-        self._setup_on_runnable_device("square")
+        self._setup("square")
 
     def setup_wide(self) -> None:
-        self._setup_on_runnable_device("wide")
-
-    def _setup_on_runnable_device(self, workload: str) -> None:
-        self.device = runnable_device(self.device)
-        self._setup(workload)
+        self._setup("wide")
 
     def benchmark_square(self) -> None:
         self._ours()
@@ -197,7 +208,7 @@ class Zeropower(SquareAndWide, Benchmark):
         return newton_schulz_reference(self.G, self.coefficients)
 
 
-class MuonStep(Benchmark):
+class MuonStep(OnRunnableDevice, Benchmark):
     """One `optimizer.Muon.step()` against `torch.optim.Muon` (the matrices) + `torch.optim.AdamW(fused=True)` (the
     vectors), on identical copies of the same parameters and gradients with the same hyperparameters (momentum 0.95,
     Nesterov, 5 steps and eps 1e-7 are both sides' defaults). Newton-Schulz runs in each side's default dtype:
@@ -226,7 +237,6 @@ class MuonStep(Benchmark):
     }
 
     def setup_gpt(self) -> None:
-        self.device = runnable_device(self.device)
         width, blocks = self.workloads[device_kind(self.device)]["gpt"]
         matrices, vectors = gpt_blocks(width, blocks)
         shapes = [*matrices, *((size,) for size in vectors)]

@@ -72,17 +72,20 @@ def benchmark_results(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[d
     return json.loads(output.read_text())["results"]
 
 
-def test_every_workload_is_discovered_run_and_verified(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    results = benchmark_results(monkeypatch, tmp_path)
+def assert_every_workload_ran_and_verified(results: list[dict]) -> None:
     assert {result["workload"] for result in results} == WORKLOADS
     assert all(result["verified"] is True for result in results)
+
+
+def test_every_workload_is_discovered_run_and_verified(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert_every_workload_ran_and_verified(benchmark_results(monkeypatch, tmp_path))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
 def test_a_cuda_torch_without_a_gpu_runs_the_cpu_workloads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # The runner takes its device from how torch was built, as under PyPI's CUDA wheels on a machine with no GPU.
     monkeypatch.setattr(runner, "_backend", lambda: kernels.backends.CUDA(version=Version("13.0")))
-    assert all(result["verified"] is True for result in benchmark_results(monkeypatch, tmp_path))
+    assert_every_workload_ran_and_verified(benchmark_results(monkeypatch, tmp_path))
 
 
 def gram_2_percent_too_large(kernel: ModuleType) -> Callable[..., torch.Tensor]:
