@@ -4,7 +4,9 @@ avoids (tests/distributed: test_distributed_plan's strided runs, the compiled FS
 
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
 import pytest
 from kernel_under_test import optimizer, submodule
@@ -44,3 +46,15 @@ def test_torch_2_9_alone_misplaces_uneven_strided_shards_and_cannot_compile_dten
 def test_an_unrecognized_version_is_refused_naming_it() -> None:
     with pytest.raises(RuntimeError, match="'nightly'"):
         torch_support.torch_release("nightly")
+
+
+def test_no_type_check_in_the_package_names_a_union_which_torch_2_9_cannot_compile() -> None:
+    # `isinstance(x, tuple | list)` in a step's checks broke every torch.compile'd step on torch 2.9 (its compiler
+    # cannot make a `types.UnionType`); the tests' torch compiles it, so only this reading of the source catches it.
+    package = Path(__file__).resolve().parents[1] / "torch-ext" / "optimizer"
+    unions = [f"{path.relative_to(package)}:{node.lineno}" for path in sorted(package.rglob("*.py"))
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass")
+              and len(node.args) == 2 and isinstance(node.args[1], ast.BinOp) and isinstance(node.args[1].op, ast.BitOr)]
+    assert not unions, unions
+

@@ -217,7 +217,8 @@ def validate_group(group: dict[str, Any], at_step: bool = False) -> None:
     if group["adamw_weight_decay"] is not None:
         _check_nonnegative("adamw_weight_decay", group["adamw_weight_decay"])
     betas = group["adamw_betas"]
-    if not isinstance(betas, tuple | list) or len(betas) != 2:
+    # Types as a tuple, here and in every check a step runs: torch 2.9's compiler cannot trace a union (`tuple | list`).
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid adamw_betas: {betas!r} (expected two numbers in [0, 1))")
     for index, beta in enumerate(betas):
         if as_real(beta) is None or not 0 <= as_real(beta) < 1:

@@ -54,7 +54,7 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
     if dtype is None:
         dtype = matrix_ns_dtype(default_ns_dtype(G.device), G.device, G.shape)
     check_float_dtype("dtype", dtype)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
         raise ValueError(f"Invalid eps: {eps!r} (expected a finite number > 0)")
     if backend is not None:
         check_backend(backend, dtype, G.device)
@@ -76,7 +76,7 @@ def zeropower(G: Tensor, steps: int = 5, coefficients: str | Sequence[Coefficien
 
 def check_safety_factor(safety_factor: float) -> None:
     """A factor below 1 could leave the scaled spectral norm above 1, where the iteration diverges."""
-    if isinstance(safety_factor, bool) or not isinstance(safety_factor, int | float) or not (
+    if isinstance(safety_factor, bool) or not isinstance(safety_factor, (int, float)) or not (
             1 <= safety_factor < math.inf):
         raise ValueError(f"Invalid safety_factor: {safety_factor!r} (expected a finite number >= 1)")
 

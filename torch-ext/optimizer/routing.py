@@ -155,7 +155,7 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
     """Yields (name, parameter, role) with role in {"matrix", "matrix_conv1d", "adamw", "adamw_no_decay"}: a
     matrix's route, Muon or AdamW, is its shape's under the group's options, decided at each step."""
     modules = dict(model.named_modules())
-    embeddings = [m for m in modules.values() if isinstance(m, nn.Embedding | nn.EmbeddingBag)]
+    embeddings = [m for m in modules.values() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
     embedding_weights = {id(weight) for m in embeddings for weight in _trained_weights(m)}
     vocab_sizes = {m.num_embeddings for m in embeddings}
     linears = [m for m in modules.values() if isinstance(m, nn.Linear)]
@@ -175,7 +175,7 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
                 role = "adamw_no_decay"
             elif id(param) in embedding_weights or id(param) in heads:
                 role = "adamw"
-            elif isinstance(owner, nn.Conv1d | nn.ConvTranspose1d):  # 3D: read as (out, in * k), not as experts
+            elif isinstance(owner, (nn.Conv1d, nn.ConvTranspose1d)):  # 3D: read as (out, in * k), not as experts
                 role = "matrix_conv1d"
             else:
                 role = "matrix"

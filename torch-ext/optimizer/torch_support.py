@@ -1,7 +1,7 @@
 """The torch releases the package runs on: older ones are refused where they would fail, with what to install.
 
 Release variants are compiled for a few torch releases; every other one loads a noarch variant, so the Python code
-meets every torch a user has. The floor is the oldest release the test suite passed on (README, "Which torch"),
+meets every torch a user has. The floor is the oldest release the test suite ran on (README, "Which torch"),
 torch 2.9.1, single-device and distributed alike. Two things torch 2.9 does otherwise than later releases are
 answered here, so that the step can refuse or avoid them.
 """
