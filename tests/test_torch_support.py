@@ -55,6 +55,6 @@ def test_no_type_check_in_the_package_names_a_union_which_torch_2_9_cannot_compi
     unions = [f"{path.relative_to(package)}:{node.lineno}" for path in sorted(package.rglob("*.py"))
               for node in ast.walk(ast.parse(path.read_text()))
               if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass")
-              and len(node.args) == 2 and isinstance(node.args[1], ast.BinOp) and isinstance(node.args[1].op, ast.BitOr)]
+              and len(node.args) == 2 and isinstance(node.args[1], ast.BinOp)
+              and isinstance(node.args[1].op, ast.BitOr)]
     assert not unions, unions
-
