@@ -77,6 +77,9 @@ def _muon_settings(group: dict[str, Any], device: torch.device) -> dict[str, Any
 
 # The settings the Muon updates take one per parameter, where groups share a call.
 _PER_ITEM_SETTINGS = ("lr", "weight_decay")
+# The same object for every group of a step, so no part of what tells groups apart; left out of the key, too, because
+# torch 2.9's compiler cannot hash an object of a class of ours in a dict key.
+_STEP_WIDE_SETTINGS = ("workspace", "schedule")
 # Updates waiting for the groups that share them: key -> (the update, each group's settings and items).
 _Pending = dict[tuple, tuple[Callable[..., None], list[tuple[dict[str, Any], list[MuonTensors] | list[AdamWTensors]]]]]
 
@@ -94,9 +97,9 @@ def _run_pending(pending: _Pending) -> None:
 
 def _shared_update_key(settings: dict[str, Any]) -> tuple:
     """Equal for groups whose updates (Muon's, AdamW's) may share one call: all their settings but lr and weight
-    decay equal."""
+    decay (and the step-wide ones) equal."""
     return tuple((name, value.recipe if isinstance(value, Orthogonalizer) else value)
-                 for name, value in settings.items() if name not in _PER_ITEM_SETTINGS)
+                 for name, value in settings.items() if name not in _PER_ITEM_SETTINGS + _STEP_WIDE_SETTINGS)
 
 
 def _local_adamw_item(item: AdamWTensors) -> AdamWTensors:
