@@ -54,11 +54,6 @@ def _items(state_dtype: torch.dtype | str, seed: int = 0, param_dtype: torch.dty
     return items
 
 
-def _clone(items: list) -> list:
-    return [functional.AdamWTensors(*(None if value is None else value.clone() for value in vars(item).values()))
-            for item in items]
-
-
 def _step(items: list, monkeypatch: pytest.MonkeyPatch, *, rounded_launch: bool) -> list[list[int]]:
     """One step of the optimizer's AdamW part as on a GPU, each parameter flagged by its gradient; returns the shapes
     each rounded launch took."""

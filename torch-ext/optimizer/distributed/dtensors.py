@@ -55,11 +55,6 @@ def sharded_tensor_dim(placement: "Placement", ndim: int) -> int | None:
     return placement.dim % ndim if is_shard(placement) else None
 
 
-def shard_dim(placement: "Placement") -> int | None:
-    """The tensor dim a plain Shard placement splits, else None (Replicate, _StridedShard or another kind)."""
-    return placement.dim if type(placement) is Shard else None
-
-
 def misplaced_strided_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: Sequence["Placement"],
                            version: str = torch.__version__) -> str | None:
     """Why torch `version`'s DTensor misplaces the rows of these placements, or None: a _StridedShard cutting its dim
