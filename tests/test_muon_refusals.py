@@ -370,7 +370,6 @@ def test_a_checkpoint_whose_moments_cannot_be_read_as_saved_is_refused_and_chang
     assert_unchanged(target, params, before)
 
 
-
 def test_a_load_post_hook_sees_and_keeps_the_state_as_loaded() -> None:
     # The moments were restored in their saved dtypes after torch's pass had run the post-hooks: a hook saw them cast
     # to the parameter's dtype, and its own change was overwritten.
@@ -556,9 +555,13 @@ def test_the_dict_given_becomes_the_group_as_in_torch() -> None:
     ({"normalization": np.array([1, 2])}, r"Invalid normalization: array"),
     ({"lr": 10**400}, r"Invalid learning rate: 1000"),
     ({"ns_steps": 0}, r"^Invalid ns_steps: 0"),
+    ({"lr": "0.1"}, r"^Invalid learning rate: '0.1' .*not a str"),
+    ({"ns_coefficients": "cubic"}, r"^Invalid ns_coefficients: 'cubic' \(expected one of"),
+    ({"ns_coefficients": [(3.0, -4.0)]}, r"^Invalid ns_coefficients\[0\]: \(3.0, -4.0\)"),
 ])
 def test_an_unreadable_value_is_refused_naming_its_option(options: dict[str, Any], message: str) -> None:
-    # numpy's "truth value of an array is ambiguous", an OverflowError, and ns_steps named as ns_coefficients.
+    # numpy's "truth value of an array is ambiguous", an OverflowError, ns_steps named as ns_coefficients, a string lr
+    # shown as a number, and ns_coefficients named as zeropower's `coefficients` inside its own option's message.
     with pytest.raises(ValueError, match=message):
         Muon([torch.randn(4, 4)], **options)
 

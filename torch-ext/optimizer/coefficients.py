@@ -69,20 +69,22 @@ def polar_express_coefficients(num_iters: int, l: float = 1e-3, safety_eps: floa
     return list(_polar_express_schedule(num_iters, float(l), float(safety_eps), float(cushion)))
 
 
-def resolve_coefficients(spec: str | Sequence[Coefficients], steps: int,
-                         preconditioner: str | None = None) -> list[Coefficients]:
+def resolve_coefficients(spec: str | Sequence[Coefficients], steps: int, preconditioner: str | None = None,
+                         option: str = "coefficients") -> list[Coefficients]:
     """Exactly `steps` (a, b, c) triples from a preset name or a user schedule; the last triple repeats. Under
-    `preconditioner="aol"` the "polar_express" preset is fitted to the interval AOL leaves (see `AOL_LOWER_BOUND`)."""
+    `preconditioner="aol"` the "polar_express" preset is fitted to the interval AOL leaves (see `AOL_LOWER_BOUND`).
+    Errors name `option`, the argument the user gave `spec` as."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"Invalid steps: {steps!r} (expected an integer >= 0)")
     if isinstance(spec, str):
-        schedule = _preset(spec, steps, AOL_LOWER_BOUND if preconditioner == "aol" else _FROBENIUS_LOWER_BOUND)
+        schedule = _preset(spec, steps, AOL_LOWER_BOUND if preconditioner == "aol" else _FROBENIUS_LOWER_BOUND,
+                           option)
     else:
-        schedule = _validated_schedule(spec)
+        schedule = _validated_schedule(spec, option)
     return [schedule[min(k, len(schedule) - 1)] for k in range(steps)]
 
 
-def _preset(name: str, steps: int, lower_bound: float) -> Sequence[Coefficients]:
+def _preset(name: str, steps: int, lower_bound: float, option: str) -> Sequence[Coefficients]:
     if name == "original":
         return _ORIGINAL
     if name == "quintic":
@@ -91,23 +93,23 @@ def _preset(name: str, steps: int, lower_bound: float) -> Sequence[Coefficients]
         return polar_express_coefficients(max(steps, 1), lower_bound)
     if name == "polar_express_safer":
         return polar_express_coefficients(max(steps, 1), lower_bound, _SAFER_SAFETY_EPS)
-    raise ValueError(f"Invalid coefficients: {name!r} (expected one of {', '.join(COEFFICIENT_PRESETS)} "
+    raise ValueError(f"Invalid {option}: {name!r} (expected one of {', '.join(COEFFICIENT_PRESETS)} "
                      "or a sequence of (a, b, c) triples)")
 
 
-def _validated_schedule(spec: object) -> list[Coefficients]:
+def _validated_schedule(spec: object, option: str) -> list[Coefficients]:
     if not isinstance(spec, Sequence) or len(spec) == 0:
-        raise ValueError(f"Invalid coefficients: {spec!r} (expected a preset name or a non-empty sequence of "
+        raise ValueError(f"Invalid {option}: {spec!r} (expected a preset name or a non-empty sequence of "
                          "(a, b, c) triples)")
     if len(spec) == 3 and all(map(_is_real, spec)):
         spec = [spec]  # one flat (a, b, c), as torch.optim.Muon takes it, for every step
     schedule = []
     for index, triple in enumerate(spec):
         if isinstance(triple, str) or not isinstance(triple, Sequence) or len(triple) != 3:
-            raise ValueError(f"Invalid coefficients[{index}]: {triple!r} (expected a triple (a, b, c))")
+            raise ValueError(f"Invalid {option}[{index}]: {triple!r} (expected a triple (a, b, c))")
         for value in triple:
             if not _is_real(value) or not math.isfinite(value):
-                raise ValueError(f"Invalid coefficients[{index}]: {triple!r} (expected three finite numbers)")
+                raise ValueError(f"Invalid {option}[{index}]: {triple!r} (expected three finite numbers)")
         schedule.append((float(triple[0]), float(triple[1]), float(triple[2])))
     return schedule
 

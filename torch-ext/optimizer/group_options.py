@@ -34,7 +34,8 @@ _TORCH_WORDING = {"lr": "learning rate", "eps": "epsilon value", "weight_decay":
 def _invalid(name: str, value: Any, expected: str) -> ValueError:
     """`Invalid learning rate: -1 (lr: expected ...)`: torch's words where torch has the option, then ours."""
     if name in _TORCH_WORDING:
-        return ValueError(f"Invalid {_TORCH_WORDING[name]}: {value} ({name}: expected {expected})")
+        shown = repr(value) if isinstance(value, str) else value  # '0.1', the string, is not 0.1
+        return ValueError(f"Invalid {_TORCH_WORDING[name]}: {shown} ({name}: expected {expected})")
     return ValueError(f"Invalid {name}: {value!r} (expected {expected})")
 
 
@@ -225,10 +226,7 @@ def validate_group(group: dict[str, Any], at_step: bool = False) -> None:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta} (adamw_betas: expected numbers in "
                              "[0, 1))")
     steps = check_ns_steps(group["ns_steps"])
-    try:
-        resolve_coefficients(group["ns_coefficients"], steps, group["preconditioner"])
-    except ValueError as error:
-        raise ValueError(f"Invalid ns_coefficients: {error}") from None
+    resolve_coefficients(group["ns_coefficients"], steps, group["preconditioner"], option="ns_coefficients")
     if not is_one_of(group["adjust_lr_fn"], (*ADJUST_LR_FNS, None)):
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported (adjust_lr_fn: "
                          f"expected one of {', '.join(map(repr, (*ADJUST_LR_FNS, None)))})")
