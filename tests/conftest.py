@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -42,3 +43,15 @@ def seeded_global_generators() -> None:
 
     torch.manual_seed(0)
     np.random.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def autograd_left_on() -> Iterator[None]:
+    """A test that leaves autograd off errors itself, and the tests after it run with autograd on: a compile that
+    failed inside the Triton interpreter of torch 2.9 and 2.10 left it off, and seven later tests failed for it."""
+    import torch  # noqa: PLC0415
+
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left autograd off (torch.is_grad_enabled() was False after it); turned back on")
