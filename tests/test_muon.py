@@ -682,6 +682,32 @@ def test_expert_bank_and_conv1d_layouts() -> None:
     torch.testing.assert_close(conv1d, polar_factor(grad.reshape(4, 240)).reshape(grad.shape), **POLAR_TOL)
 
 
+@pytest.mark.parametrize("batch", [(), (3,)], ids=["matrix", "expert bank"])
+@pytest.mark.parametrize("options", [dict(adjust_lr_fn="original"), dict(adjust_lr_fn="spectral"),
+                                     dict(normalization="neuron"), dict(normalization="neuron", nesterov=False)],
+                         ids=["original", "spectral", "NorMuon", "NorMuon-plain"])
+def test_a_transposed_layout_steps_each_matrix_as_its_out_in_twin_does(batch: tuple[int, ...],
+                                                                       options: dict[str, Any]) -> None:
+    """Weights stored (in, out) (transformers' Conv1D) with param_layout="transposed" train as their (out, in)
+    transposes do: the shape-dependent lr scales read out = 20, in = 12, and NorMuon's second moment is kept per
+    output neuron (the last dim here). Read as (out, in) = (12, 20), both went the other way."""
+    torch.manual_seed(0)
+    stored = torch.randn(*batch, 12, 20, dtype=torch.float64)  # (..., in, out)
+    twin = stored.mT.contiguous()  # (..., out, in), laid out as nn.Linear keeps it
+    layout = "experts" if batch else "auto"
+    settings = dict(lr=0.02, momentum=0.9, ns_dtype=torch.float64, **options)
+    ours = Muon([dict(params=[stored], param_layout="transposed")], **settings)
+    theirs = Muon([dict(params=[twin], param_layout=layout)], **settings)
+    for _ in range(3):
+        grad = torch.randn_like(twin)
+        twin.grad, stored.grad = grad, grad.mT.contiguous()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(stored.mT, twin, rtol=1e-12, atol=1e-14)
+    if "normalization" in options:
+        assert ours.state[stored]["update_sq"].shape == tuple(theirs.state[twin]["update_sq"].mT.shape)
+
+
 def _stacks_orthogonalized(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The shapes of the stacks the optimizer's Newton-Schulz is called on, as it is called."""
     shapes: list[tuple[int, ...]] = []

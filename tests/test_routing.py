@@ -73,6 +73,28 @@ def test_a_linear_named_as_a_head_goes_to_adamw(name: str) -> None:
     assert found["body.weight"] == (True, None, None) and found["after.weight"] == (True, None, None)
 
 
+class Conv1D(nn.Module):
+    """transformers' Conv1D as GPT-2 uses it (transformers.pytorch_utils): a linear map y = x W + b, W stored (nx, nf),
+    i.e. (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+
+def test_a_transformers_conv1d_weight_is_a_matrix_stored_in_out() -> None:
+    model = nn.Module()
+    model.c_attn = Conv1D(48, 16)
+    model.look_alike = Conv1D(48, 16)
+    model.look_alike.nx = 15  # a module of that name whose weight is not (nx, nf): nothing says how it is stored
+    found = roles(model)
+    assert found["c_attn.weight"] == (True, "transposed", None)
+    assert found["look_alike.weight"] == (True, None, None)
+    assert found["c_attn.bias"] == (False, None, 0.0)
+
+
 @pytest.mark.parametrize("conv", [nn.Conv1d(64, 64, 1, groups=64), nn.Conv1d(512, 512, 3, groups=512),
                                   nn.ConvTranspose1d(64, 64, 1, groups=64)], ids=["depthwise-k1", "aspect-171", "T"])
 def test_a_degenerate_conv1d_weight_goes_to_adamw(conv: nn.Module) -> None:

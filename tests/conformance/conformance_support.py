@@ -39,8 +39,9 @@ TORCH_MUON_COEFFICIENTS: tuple[float, float, float] = inspect.signature(torch.op
 class Routing:
     """One parameter group: its shapes, its group options, and how README says each parameter becomes matrices.
 
-    `layouts[i]` is "adamw" (AdamW), "matrix", "experts" (one matrix per leading index), "flatten" ((out, rest))
-    or "batched" (one (out, in) matrix per kernel position)."""
+    `layouts[i]` is "adamw" (AdamW), "matrix", "experts" (one matrix per leading index), "flatten" ((out, rest)),
+    "batched" (one (out, in) matrix per kernel position) or "transposed" (one matrix per leading index, each the
+    transpose of the last two dims)."""
 
     name: str
     shapes: tuple[tuple[int, ...], ...]
@@ -67,6 +68,8 @@ ROUTINGS: tuple[Routing, ...] = (
     Routing("conv_flatten", ((4, 2, 3, 3),), ("flatten",), {"conv_mode": "flatten"}),
     Routing("conv_batched", ((4, 3, 2, 2),), ("batched",), {"conv_mode": "batched"}),
     Routing("conv1d", ((6, 4, 3),), ("flatten",), {"param_layout": "conv"}),
+    # Stored (in, out), as transformers' Conv1D keeps them: torch's "original" lr scale reads out = 8, in = 6.
+    Routing("transposed", ((6, 8), (2, 6, 8)), ("transposed", "transposed"), {"param_layout": "transposed"}),
 )
 ROUTING_BY_NAME = {routing.name: routing for routing in ROUTINGS}
 
@@ -121,6 +124,8 @@ def as_matrices(tensor: Tensor, layout: str) -> list[Tensor]:
         pieces = [tensor.reshape(tensor.shape[0], -1)]
     elif layout == "batched":
         pieces = list(tensor.flatten(2).unbind(-1))
+    elif layout == "transposed":
+        pieces = list(tensor.reshape(-1, *tensor.shape[-2:]).mT.unbind(0))
     else:
         raise AssertionError(f"not a Muon layout: {layout}")
     return [piece.detach().clone().contiguous() for piece in pieces]
@@ -133,6 +138,8 @@ def from_matrices(pieces: Sequence[Tensor], layout: str, shape: torch.Size) -> T
         return torch.stack(list(pieces), 0)
     if layout == "flatten":
         return pieces[0].reshape(shape)
+    if layout == "transposed":
+        return torch.stack(list(pieces), 0).mT.reshape(shape)
     return torch.stack(list(pieces), -1).reshape(shape)
 
 
@@ -257,4 +264,3 @@ def train_with_reference(opt: torch.optim.Optimizer, params: Sequence[Tensor], r
         seeded_grads(list(params), seed)
         opt.step()
         reference.step([p.grad for p in params])
-

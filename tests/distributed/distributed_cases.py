@@ -655,6 +655,14 @@ def cases_for(world: int) -> dict[str, Callable[[], None]]:
             dtensor_case, (world,), [Shard(1)], normalization="neuron", adjust_lr_fn="spectral",
             conv_mode="batched"),
         "ddp_process_group_neuron_normalization": partial(ddp_case, world, normalization="neuron"),
+        # Matrices stored (in, out) (transformers' Conv1D): Shard(0) splits each matrix's columns (its row sums
+        # summed across ranks), Shard(1) its rows; the lr scale that reads out and in, and NorMuon's rows.
+        "shard0_transposed_layout_neuron_original": partial(dtensor_case, (world,), [Shard(0)],
+                                                            groups=[dict(param_layout="transposed")],
+                                                            normalization="neuron", adjust_lr_fn="original"),
+        "shard1_transposed_layout_neuron_original": partial(dtensor_case, (world,), [Shard(1)],
+                                                            groups=[dict(param_layout="transposed")],
+                                                            normalization="neuron", adjust_lr_fn="original"),
         # Moments in fewer bytes, rounded with random bits drawn per entry of the whole tensor: one device's result.
         "shard1_bf16_state": partial(dtensor_case, (world,), [Shard(1)], state_dtype=torch.bfloat16),
         # (DDP's gradients are averaged in another order than one device's: an entry that straddles a rounding

@@ -251,7 +251,7 @@ def _momentum_into(buckets: Sequence[list[MuonTensors]], stacks: Sequence[Tensor
         for item in bucket:
             target = matrices if len(bucket) == 1 else matrices[offset:offset + item.view.batch]
             offset += item.view.batch
-            if item.view.spatial_batched:  # not a view of the stack: fill a temporary, then permute it in
+            if not item.view.is_reshape:  # not a view of the stack: fill a temporary, then permute it in
                 temp = torch.empty(item.param.shape, dtype=matrices.dtype, device=matrices.device)
                 scattered.append((target, temp, item.view))
                 outputs.append(temp)

@@ -122,7 +122,8 @@ class Muon(Optimizer):
 
     Args:
         params: parameters or parameter groups (dicts); groups may set any option below, plus ``use_muon``
-            (None/True/False) and ``param_layout`` ("auto", "conv" for Conv1d weights, "experts").
+            (None/True/False) and ``param_layout`` ("auto", "conv" for Conv1d weights, "experts", "transposed" for
+            matrices stored (in, out)).
         lr: learning rate. weight_decay: decoupled (``p *= 1 - lr * weight_decay``), as torch.optim.Muon does.
         momentum, nesterov: the momentum buffer is ``lerp(buffer, grad, 1 - momentum)``; Nesterov orthogonalizes
             ``lerp(grad, buffer, momentum)``.

@@ -13,9 +13,9 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 ConvMode = Literal["flatten", "batched"]
-ParamLayout = Literal["auto", "conv", "experts"]
+ParamLayout = Literal["auto", "conv", "experts", "transposed"]
 CONV_MODES: tuple[str, ...] = ("flatten", "batched")
-PARAM_LAYOUTS: tuple[str, ...] = ("auto", "conv", "experts")
+PARAM_LAYOUTS: tuple[str, ...] = ("auto", "conv", "experts", "transposed")
 
 # A matrix this much longer than it is wide is closer to a list of vectors than to a linear map; timm routes such
 # shapes to AdamW by default, and so do we (forcing `use_muon=True` still orthogonalizes it).
@@ -37,6 +37,13 @@ class MatrixView:
     spatial_batched: bool  # conv "batched" mode: one (out, in) matrix per kernel position
     row_dim: int
     column_dims: tuple[int, ...]
+    transposed: bool = False  # stored (..., in, out): each matrix is the transpose of its last two dims
+
+    @property
+    def is_reshape(self) -> bool:
+        """Whether the (batch, rows, cols) stack is the parameter's memory reshaped, so that one is a view of the
+        other."""
+        return not (self.spatial_batched or self.transposed)
 
     def batch_dims(self, ndim: int) -> tuple[int, ...]:
         """The parameter dims that only say which of the matrices an element is in."""
@@ -45,11 +52,15 @@ class MatrixView:
     def to_matrices(self, tensor: Tensor) -> Tensor:
         if self.spatial_batched:
             return tensor.flatten(2).permute(2, 0, 1)
+        if self.transposed:
+            return tensor.reshape(self.batch, self.cols, self.rows).mT
         return tensor.reshape(self.batch, self.rows, self.cols)
 
     def from_matrices(self, matrices: Tensor, shape: torch.Size) -> Tensor:
         if self.spatial_batched:
             return matrices.permute(1, 2, 0).reshape(shape)
+        if self.transposed:
+            return matrices.mT.contiguous().reshape(shape)
         return matrices.reshape(shape)
 
 
@@ -59,9 +70,14 @@ def matrix_view(shape: torch.Size, layout: str = "auto", conv_mode: str = "flatt
     2D: one matrix. 3D: a bank of experts (E, out, in) unless `layout == "conv"` (a Conv1d weight).
     4D/5D (or `layout == "conv"`): a conv weight (out, in, *kernel), flattened to (out, in * k) or, in conv_mode
     "batched", one (out, in) matrix per kernel position. `layout == "experts"`: every leading dim is a batch dim.
+    `layout == "transposed"`: as "experts", with each matrix stored as (in, out) (transformers' Conv1D, the expert
+    weights of some MoE layers), so that its rows (output neurons) are the last dim.
     """
     if len(shape) < 2:
         raise ValueError(f"Muon needs a parameter with at least 2 dimensions, got shape {tuple(shape)}")
+    if layout == "transposed":
+        return MatrixView(int(torch.Size(shape[:-2]).numel()), shape[-1], shape[-2], False, len(shape) - 1,
+                          (len(shape) - 2,), transposed=True)
     if len(shape) == 2:
         return MatrixView(1, shape[0], shape[1], False, 0, (1,))
     is_conv = layout == "conv" or (layout == "auto" and len(shape) >= 4)
@@ -151,9 +167,17 @@ def _is_output_head(name: str, module: nn.Module, embedding_weights: set[int], l
     return module is last_linear and module.out_features in vocab_sizes
 
 
+def _stores_in_out(module: nn.Module, param: Tensor) -> bool:
+    """transformers' Conv1D (GPT-2 and its kin): a linear map whose weight is stored (in, out), as `nx` by `nf`.
+    Told by its name and sizes, not by type, so that transformers need not be imported or installed."""
+    return (type(module).__name__ == "Conv1D" and param.ndim == 2
+            and (getattr(module, "nx", None), getattr(module, "nf", None)) == tuple(param.shape))
+
+
 def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
-    """Yields (name, parameter, role) with role in {"matrix", "matrix_conv1d", "adamw", "adamw_no_decay"}: a
-    matrix's route, Muon or AdamW, is its shape's under the group's options, decided at each step."""
+    """Yields (name, parameter, role) with role in {"matrix", "matrix_conv1d", "matrix_transposed", "adamw",
+    "adamw_no_decay"}: a matrix's route, Muon or AdamW, is its shape's under the group's options, decided at each
+    step."""
     modules = dict(model.named_modules())
     embeddings = [m for m in modules.values() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
     embedding_weights = {id(weight) for m in embeddings for weight in _trained_weights(m)}
@@ -177,6 +201,8 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
                 role = "adamw"
             elif isinstance(owner, (nn.Conv1d, nn.ConvTranspose1d)):  # 3D: read as (out, in * k), not as experts
                 role = "matrix_conv1d"
+            elif _stores_in_out(owner, param):
+                role = "matrix_transposed"
             else:
                 role = "matrix"
             yield name, param, role
@@ -185,8 +211,9 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
 def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]]:
     """Default parameter groups for `Muon`, decided from each parameter's module and name.
 
-    Muon: hidden matrices (Linear, conv, 3D expert banks), routed by their shape at each step under the group's
-    conv_mode (a degenerate matrix view goes to AdamW). AdamW: `nn.Embedding` weights and the output head (a
+    Muon: hidden matrices (Linear, conv, 3D expert banks; transformers' Conv1D, stored (in, out), with
+    param_layout="transposed"), routed by their shape at each step under the group's conv_mode (a degenerate matrix
+    view goes to AdamW). AdamW: `nn.Embedding` weights and the output head (a
     Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose output size is a
     vocabulary size); AdamW without weight decay: norms, biases and other 1D/scalar parameters. A weight computed
     from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the weight would
@@ -210,6 +237,7 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
     role_options: dict[str, dict[str, Any]] = {
         "matrix": {"use_muon": None, "param_layout": "auto"},
         "matrix_conv1d": {"use_muon": None, "param_layout": "conv"},
+        "matrix_transposed": {"use_muon": None, "param_layout": "transposed"},
         "adamw": {"use_muon": False},
         "adamw_no_decay": {"use_muon": False, "adamw_weight_decay": 0.0},
     }

@@ -110,7 +110,7 @@ def work_of(view: MatrixView, layout: ShardLayout, steps: int, algorithm: str, d
     way): where it runs the standard iteration whole, and where "auto" takes Gram in 16-bit on a GPU, for speed
     alone (whole, it runs Gram; divided, the standard iteration, as near the polar factor in 16-bit), but not where
     Gram was asked for, nor in float32 and float64, where a matrix stays whole to run what one device would. Only
-    along dims whose storage order is the global order."""
+    along dims whose storage order is the global order, and of matrices stored as they are (not "transposed")."""
     flops = iteration_flops(view, steps, algorithm, dtype, device_type)
     ndim = len(layout.shape)
     in_order = [dim for dim in range(ndim) if not layout.orders or layout.orders[dim] is None]
@@ -124,8 +124,8 @@ def work_of(view: MatrixView, layout: ShardLayout, steps: int, algorithm: str, d
     short, long = sorted((view.rows, view.cols))
     long_dim = view.row_dim if view.rows > view.cols else (view.column_dims[0] if len(view.column_dims) == 1 else None)
     gram = resolve_algorithm(algorithm, (short, long), steps, dtype, device_type) == "gram"
-    if (device_type in NO_COLUMN_DIVISION_ON or ndim != 2 or long_dim not in in_order or long < 2 * MIN_SHARE_COLUMNS
-            or algorithm == "gram" or (gram and dtype.itemsize > 2)):
+    if (device_type in NO_COLUMN_DIVISION_ON or ndim != 2 or view.transposed or long_dim not in in_order
+            or long < 2 * MIN_SHARE_COLUMNS or algorithm == "gram" or (gram and dtype.itemsize > 2)):
         return Work(flops)
     return Work(flops, Splitting(COLUMNS, long_dim, long, column_share_flops(short, 1, steps), MIN_SHARE_COLUMNS))
 
