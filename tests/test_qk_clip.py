@@ -161,6 +161,24 @@ def test_invalid_configuration_names_the_culprit() -> None:
         Muon([wq, wk]).step(qk_logits={0: torch.ones(2)})
 
 
+@pytest.mark.parametrize("field", ["query", "key"])
+def test_a_projection_stored_in_out_is_refused_before_the_step_changes_anything(field: str) -> None:
+    """QK-clip scales head rows of (out, in) weights; a group's param_layout="transposed" says its weights are stored
+    (in, out), where the clip would scale input columns. Set on the group after construction, it is found at the
+    step that clips."""
+    _, wq, wk, _, _ = attention_weights(2, 2, seed=0)
+    in_group, other = (wq, wk) if field == "query" else (wk, wq)
+    opt = Muon([dict(params=[in_group]), dict(params=[other])], qk_clip={0: QKClipLayer(wq, wk, 2, HEAD_DIM)})
+    opt.param_groups[0]["param_layout"] = "transposed"
+    for param in (wq, wk):
+        param.grad = torch.ones_like(param)
+    original = (wq.detach().clone(), wk.detach().clone())
+    with pytest.raises(ValueError, match=rf"qk_clip\[0\].{field}: its group has param_layout='transposed'"):
+        opt.step(qk_logits={0: torch.tensor([400.0, 50.0])})
+    assert torch.equal(wq.detach(), original[0]) and torch.equal(wk.detach(), original[1]) and not opt.state
+    opt.step()  # without clipping, such a layout steps as any other
+
+
 @pytest.mark.parametrize("threshold", [-1.0, 0.0, float("nan"), "100"])
 def test_the_clip_function_refuses_a_threshold_the_optimizer_refuses(threshold) -> None:
     # -1 turned the query weights into NaN and 0 zeroed them: qk_clip_ checked nothing Muon's constructor checks.

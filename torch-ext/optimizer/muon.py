@@ -692,6 +692,7 @@ class Muon(Optimizer):
         self._graph_capture_health_check()
         qk_logits = {} if qk_logits is None else qk_logits
         check_qk_logits(self.qk_clip, qk_logits)  # before any update: bad input changes nothing
+        self._check_clipped_layouts(qk_logits)
         threshold = check_threshold(self.qk_clip_threshold) if qk_logits else None  # an attribute, settable
         loss = None
         if closure is not None:  # under the caller's autocast, as torch's optimizers run it
@@ -705,6 +706,20 @@ class Muon(Optimizer):
         else:
             self._update(qk_logits, threshold)
         return loss
+
+    def _check_clipped_layouts(self, qk_logits: Mapping[Hashable, Tensor]) -> None:
+        """QK-clip scales the head rows of projections stored (out, in); one in a group with param_layout
+        "transposed" is stored (in, out), and the clip would scale its input columns instead."""
+        stored_in_out = [group["params"] for group in self.param_groups if group["param_layout"] == "transposed"]
+        if not qk_logits or not stored_in_out:
+            return
+        for name in qk_logits:
+            for field in ("query", "key"):
+                weight = getattr(self.qk_clip[name], field)
+                if any(param is weight for params in stored_in_out for param in params):
+                    raise ValueError(f"Invalid qk_clip[{name!r}].{field}: its group has param_layout='transposed' "
+                                     "(a weight stored (in, out)), and QK-clip scales the head rows of projections "
+                                     "stored (out, in)")
 
     @torch.compiler.disable
     def _update_eagerly(self, qk_logits: Mapping[Hashable, Tensor], threshold: float | None) -> None:
