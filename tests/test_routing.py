@@ -95,6 +95,26 @@ def test_a_transformers_conv1d_weight_is_a_matrix_stored_in_out() -> None:
     assert found["c_attn.bias"] == (False, None, 0.0)
 
 
+class Experts(nn.Module):
+    """transformers' experts module as GPT-OSS has it (`use_experts_implementation(is_transposed=...)`): banks
+    stored (E, in, out) where it says `is_transposed`, and a bias bank (E, out) per projection."""
+
+    def __init__(self, is_transposed: bool) -> None:
+        super().__init__()
+        self.is_transposed = is_transposed
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 48))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 48))
+
+
+@pytest.mark.parametrize("is_transposed", [True, False])
+def test_an_expert_bank_marked_transposed_is_stored_in_out_and_its_bias_bank_goes_to_adamw(
+        is_transposed: bool) -> None:
+    found = roles(nn.ModuleDict({"experts": Experts(is_transposed)}))
+    assert found["experts.gate_up_proj"] == (True, "transposed" if is_transposed else None, None)
+    # (4, 48) is a matrix by shape (it went to Muon, orthogonalized); by name it is a bank of biases.
+    assert found["experts.gate_up_proj_bias"] == (False, None, 0.0)
+
+
 @pytest.mark.parametrize("conv", [nn.Conv1d(64, 64, 1, groups=64), nn.Conv1d(512, 512, 3, groups=512),
                                   nn.ConvTranspose1d(64, 64, 1, groups=64)], ids=["depthwise-k1", "aspect-171", "T"])
 def test_a_degenerate_conv1d_weight_goes_to_adamw(conv: nn.Module) -> None:

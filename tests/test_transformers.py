@@ -45,6 +45,26 @@ def test_gpt2s_conv1d_weights_go_to_muon_as_transposed_matrices() -> None:
     assert all(layouts[f"{name}.bias"] == (False, None) for name in conv1d)
 
 
+def test_gpt_oss_expert_banks_go_to_muon_transposed_and_their_biases_to_adamw() -> None:
+    """GPT-OSS keeps its experts' banks (E, in, out) (its experts module says `is_transposed`) beside bias banks
+    (E, out), which are matrices by shape."""
+    config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                       num_experts_per_tok=2, layer_types=["full_attention"])
+    model = transformers.GptOssForCausalLM(config)
+    groups = optimizer.muon_param_groups(model)
+    layouts = {name: (group["use_muon"], group.get("param_layout"), group.get("adamw_weight_decay"))
+               for group in groups for name, _ in group["params"]}
+    experts = "model.layers.0.mlp.experts"
+    assert layouts[f"{experts}.gate_up_proj"] == layouts[f"{experts}.down_proj"] == (None, "transposed", None)
+    assert layouts[f"{experts}.gate_up_proj_bias"] == layouts[f"{experts}.down_proj_bias"] == (False, None, 0.0)
+    opt = optimizer.Muon(groups, lr=0.02)
+    tokens = RandomTokens()[0]["input_ids"][None]
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    opt.step()
+    assert "momentum_buffer" in opt.state[model.model.layers[0].mlp.experts.gate_up_proj]
+
+
 def _trainer(output_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> transformers.Trainer:
     args = transformers.TrainingArguments(
         output_dir=str(output_dir), per_device_train_batch_size=8, max_steps=6, save_steps=3, save_only_model=False,

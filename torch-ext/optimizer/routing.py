@@ -168,10 +168,17 @@ def _is_output_head(name: str, module: nn.Module, embedding_weights: set[int], l
 
 
 def _stores_in_out(module: nn.Module, param: Tensor) -> bool:
-    """transformers' Conv1D (GPT-2 and its kin): a linear map whose weight is stored (in, out), as `nx` by `nf`.
-    Told by its name and sizes, not by type, so that transformers need not be imported or installed."""
-    return (type(module).__name__ == "Conv1D" and param.ndim == 2
-            and (getattr(module, "nx", None), getattr(module, "nf", None)) == tuple(param.shape))
+    """Matrices stored (in, out), as transformers keeps two kinds: its Conv1D (GPT-2 and its kin), a linear map whose
+    weight is `nx` by `nf`, and the expert banks of its experts modules marked `is_transposed` (GPT-OSS's, (E, in,
+    out)). Told by names and sizes, not by type, so that transformers need not be imported or installed."""
+    if type(module).__name__ == "Conv1D" and param.ndim == 2:
+        return (getattr(module, "nx", None), getattr(module, "nf", None)) == tuple(param.shape)
+    return getattr(module, "is_transposed", None) is True and param.ndim >= 3
+
+
+def _is_bias(param_name: str) -> bool:
+    """A bias by its name, whatever its shape: an expert bank's biases, (E, out), are matrices by shape alone."""
+    return param_name == "bias" or param_name.endswith("_bias")
 
 
 def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
@@ -195,7 +202,7 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
                     f"muon_param_groups: parameter {name} is not materialized yet (a lazy module's), so its role is "
                     "unknown: run one forward pass first, or give Muon model.parameters(), which routes each "
                     "parameter by its shape at its first step")
-            if isinstance(owner, _NORM_TYPES) or param.ndim < 2:
+            if isinstance(owner, _NORM_TYPES) or param.ndim < 2 or _is_bias(param_name):
                 role = "adamw_no_decay"
             elif id(param) in embedding_weights or id(param) in heads:
                 role = "adamw"
@@ -211,11 +218,12 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
 def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]]:
     """Default parameter groups for `Muon`, decided from each parameter's module and name.
 
-    Muon: hidden matrices (Linear, conv, 3D expert banks; transformers' Conv1D, stored (in, out), with
-    param_layout="transposed"), routed by their shape at each step under the group's conv_mode (a degenerate matrix
-    view goes to AdamW). AdamW: `nn.Embedding` weights and the output head (a
-    Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose output size is a
-    vocabulary size); AdamW without weight decay: norms, biases and other 1D/scalar parameters. A weight computed
+    Muon: hidden matrices (Linear, conv, 3D expert banks; transformers' Conv1D and expert banks its experts modules
+    mark `is_transposed`, stored (in, out), with param_layout="transposed"), routed by their shape at each step
+    under the group's conv_mode (a degenerate matrix view goes to AdamW). AdamW: `nn.Embedding` weights and the
+    output head (a Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose
+    output size is a vocabulary size); AdamW without weight decay: norms, biases (by name, `bias` or `*_bias`, of any
+    shape) and other 1D/scalar parameters. A weight computed
     from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the weight would
     be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on every group; the
     no-decay group keeps adamw_weight_decay=0; the routing keys are refused, since the groups are the routing. Shared
