@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -181,6 +182,13 @@ def _is_bias(param_name: str) -> bool:
     return param_name == "bias" or param_name.endswith("_bias")
 
 
+def _declared_no_decay(model: nn.Module) -> tuple[str, ...]:
+    """The names (fnmatch patterns) the model's `no_weight_decay()` gives, timm's convention for what is not a weight
+    (position embeddings, class tokens, bias tables); none where it has no such method."""
+    declared = getattr(model, "no_weight_decay", None)
+    return tuple(str(name) for name in declared()) if callable(declared) else ()
+
+
 def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
     """Yields (name, parameter, role) with role in {"matrix", "matrix_conv1d", "matrix_transposed", "adamw",
     "adamw_no_decay"}: a matrix's route, Muon or AdamW, is its shape's under the group's options, decided at each
@@ -193,6 +201,7 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
     last_linear = linears[-1] if linears else None
     heads = {id(weight) for name, m in modules.items()
              if _is_output_head(name, m, embedding_weights, last_linear, vocab_sizes) for weight in _trained_weights(m)}
+    no_decay = _declared_no_decay(model)
     for module_name, module in modules.items():
         owner = _owner(module_name, module, modules)
         for param_name, param in module.named_parameters(recurse=False):
@@ -202,7 +211,8 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
                     f"muon_param_groups: parameter {name} is not materialized yet (a lazy module's), so its role is "
                     "unknown: run one forward pass first, or give Muon model.parameters(), which routes each "
                     "parameter by its shape at its first step")
-            if isinstance(owner, _NORM_TYPES) or param.ndim < 2 or _is_bias(param_name):
+            if (isinstance(owner, _NORM_TYPES) or param.ndim < 2 or _is_bias(param_name)
+                    or any(fnmatch.fnmatchcase(name, pattern) for pattern in no_decay)):
                 role = "adamw_no_decay"
             elif id(param) in embedding_weights or id(param) in heads:
                 role = "adamw"
@@ -223,7 +233,8 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
     under the group's conv_mode (a degenerate matrix view goes to AdamW). AdamW: `nn.Embedding` weights and the
     output head (a Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose
     output size is a vocabulary size); AdamW without weight decay: norms, biases (by name, `bias` or `*_bias`, of any
-    shape) and other 1D/scalar parameters. A weight computed
+    shape), what the model's `no_weight_decay()` names (timm's convention: a ViT's pos_embed and cls_token) and other
+    1D/scalar parameters. A weight computed
     from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the weight would
     be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on every group; the
     no-decay group keeps adamw_weight_decay=0; the routing keys are refused, since the groups are the routing. Shared
