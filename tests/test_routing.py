@@ -116,27 +116,32 @@ def test_an_expert_bank_marked_transposed_is_stored_in_out_and_its_bias_bank_goe
 
 
 class TinyViT(nn.Module):
-    """timm's convention: the model names what is not a weight in `no_weight_decay()` (fnmatch patterns)."""
+    """A ViT's own tensors beside its layers: position embeddings and tokens added to the activations, a relative
+    position bias table, and an SSM's state matrix, which only the model's `no_weight_decay()` (timm's convention,
+    fnmatch patterns) can say is not a layer's weight."""
 
     def __init__(self, declares: bool) -> None:
         super().__init__()
         self.declares = declares
+        self.patch_embed = nn.Conv2d(3, 16, 4)  # a layer: its weight multiplies, so it stays a matrix
         self.pos_embed = nn.Parameter(torch.randn(1, 17, 16))  # (17, 16) by shape: an expert bank of one matrix
         self.cls_token = nn.Parameter(torch.randn(1, 1, 16))
+        self.register_tokens = nn.Parameter(torch.randn(1, 4, 16))
         self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
         self.blocks[0].relative_position_bias_table = nn.Parameter(torch.randn(9, 4))
+        self.blocks[1].A_log = nn.Parameter(torch.randn(16, 8))
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token", "*.relative_position_bias_table"} if self.declares else set()
+        return {"*.A_log"} if self.declares else set()
 
 
 @pytest.mark.parametrize("declares", [True, False])
-def test_what_the_model_says_takes_no_weight_decay_goes_to_adamw_without_it(declares: bool) -> None:
+def test_a_models_own_embeddings_tokens_bias_tables_and_what_it_declares_go_to_adamw(declares: bool) -> None:
     found = roles(TinyViT(declares))
-    assert found["pos_embed"] == ((False, None, 0.0) if declares else (True, None, None))
-    assert found["blocks.0.relative_position_bias_table"] == ((False, None, 0.0) if declares else (True, None, None))
-    assert found["cls_token"][0] is False  # (1, 16) by shape: a side below 2
-    assert found["blocks.1.weight"] == (True, None, None)
+    for name in ("pos_embed", "cls_token", "register_tokens", "blocks.0.relative_position_bias_table"):
+        assert found[name] == (False, None, 0.0), name
+    assert found["blocks.1.A_log"] == ((False, None, 0.0) if declares else (True, None, None))
+    assert found["patch_embed.weight"] == (True, None, None) and found["blocks.1.weight"] == (True, None, None)
 
 
 @pytest.mark.parametrize("conv", [nn.Conv1d(64, 64, 1, groups=64), nn.Conv1d(512, 512, 3, groups=512),

@@ -178,8 +178,15 @@ def _stores_in_out(module: nn.Module, param: Tensor) -> bool:
 
 
 def _is_bias(param_name: str) -> bool:
-    """A bias by its name, whatever its shape: an expert bank's biases, (E, out), are matrices by shape alone."""
-    return param_name == "bias" or param_name.endswith("_bias")
+    """A bias by its name, whatever its shape: an expert bank's biases (GPT-OSS's `gate_up_proj_bias`, (E, out)) and a
+    relative position bias table (Swin's, (positions, heads)) are matrices by shape alone."""
+    return "bias" in param_name.split("_")
+
+
+def _is_learned_token(param_name: str) -> bool:
+    """A module's own tensor (not a layer's `weight`) named as an embedding or a token: a ViT's position embeddings
+    and class token, (1, N, D) and (1, 1, D), added to its activations, not multiplied by them."""
+    return param_name != "weight" and ("embed" in param_name or param_name.endswith(("token", "tokens")))
 
 
 def _declared_no_decay(model: nn.Module) -> tuple[str, ...]:
@@ -211,8 +218,9 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
                     f"muon_param_groups: parameter {name} is not materialized yet (a lazy module's), so its role is "
                     "unknown: run one forward pass first, or give Muon model.parameters(), which routes each "
                     "parameter by its shape at its first step")
+            declared = any(fnmatch.fnmatchcase(name, pattern) for pattern in no_decay)
             if (isinstance(owner, _NORM_TYPES) or param.ndim < 2 or _is_bias(param_name)
-                    or any(fnmatch.fnmatchcase(name, pattern) for pattern in no_decay)):
+                    or _is_learned_token(param_name) or declared):
                 role = "adamw_no_decay"
             elif id(param) in embedding_weights or id(param) in heads:
                 role = "adamw"
@@ -232,9 +240,9 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
     mark `is_transposed`, stored (in, out), with param_layout="transposed"), routed by their shape at each step
     under the group's conv_mode (a degenerate matrix view goes to AdamW). AdamW: `nn.Embedding` weights and the
     output head (a Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose
-    output size is a vocabulary size); AdamW without weight decay: norms, biases (by name, `bias` or `*_bias`, of any
-    shape), what the model's `no_weight_decay()` names (timm's convention: a ViT's pos_embed and cls_token) and other
-    1D/scalar parameters. A weight computed
+    output size is a vocabulary size); AdamW without weight decay: norms, biases (by name, of any shape), a module's
+    own embeddings and tokens (by name: pos_embed, cls_token), what the model's `no_weight_decay()` names (timm's
+    convention) and other 1D/scalar parameters. A weight computed
     from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the weight would
     be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on every group; the
     no-decay group keeps adamw_weight_decay=0; the routing keys are refused, since the groups are the routing. Shared
