@@ -117,8 +117,8 @@ def test_an_expert_bank_marked_transposed_is_stored_in_out_and_its_bias_bank_goe
 
 class TinyViT(nn.Module):
     """A ViT's own tensors beside its layers: position embeddings and tokens added to the activations, a relative
-    position bias table, and an SSM's state matrix, which only the model's `no_weight_decay()` (timm's convention,
-    fnmatch patterns) can say is not a layer's weight."""
+    position bias table, and an SSM's state matrices, which only the model's `no_weight_decay()` (timm's convention,
+    fnmatch patterns) or a mark on the tensor (mamba_ssm's) can say are not a layer's weight."""
 
     def __init__(self, declares: bool) -> None:
         super().__init__()
@@ -130,6 +130,9 @@ class TinyViT(nn.Module):
         self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
         self.blocks[0].relative_position_bias_table = nn.Parameter(torch.randn(9, 4))
         self.blocks[1].A_log = nn.Parameter(torch.randn(16, 8))
+        self.blocks[1].B_log = nn.Parameter(torch.randn(16, 8))
+        if declares:
+            self.blocks[1].B_log._no_weight_decay = True  # mamba_ssm's mark on its A_log and D
 
     def no_weight_decay(self) -> set[str]:
         return {"*.A_log"} if self.declares else set()
@@ -140,7 +143,8 @@ def test_a_models_own_embeddings_tokens_bias_tables_and_what_it_declares_go_to_a
     found = roles(TinyViT(declares))
     for name in ("pos_embed", "cls_token", "register_tokens", "blocks.0.relative_position_bias_table"):
         assert found[name] == (False, None, 0.0), name
-    assert found["blocks.1.A_log"] == ((False, None, 0.0) if declares else (True, None, None))
+    for name in ("blocks.1.A_log", "blocks.1.B_log"):
+        assert found[name] == ((False, None, 0.0) if declares else (True, None, None)), name
     assert found["patch_embed.weight"] == (True, None, None) and found["blocks.1.weight"] == (True, None, None)
 
 

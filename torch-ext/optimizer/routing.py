@@ -218,7 +218,8 @@ def _classify(model: nn.Module) -> Iterator[tuple[str, Tensor, str]]:
                     f"muon_param_groups: parameter {name} is not materialized yet (a lazy module's), so its role is "
                     "unknown: run one forward pass first, or give Muon model.parameters(), which routes each "
                     "parameter by its shape at its first step")
-            declared = any(fnmatch.fnmatchcase(name, pattern) for pattern in no_decay)
+            declared = (getattr(param, "_no_weight_decay", False) is True  # mamba_ssm marks its A_log and D so
+                        or any(fnmatch.fnmatchcase(name, pattern) for pattern in no_decay))
             if (isinstance(owner, _NORM_TYPES) or param.ndim < 2 or _is_bias(param_name)
                     or _is_learned_token(param_name) or declared):
                 role = "adamw_no_decay"
@@ -242,9 +243,9 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
     output head (a Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose
     output size is a vocabulary size); AdamW without weight decay: norms, biases (by name, of any shape), a module's
     own embeddings and tokens (by name: pos_embed, cls_token), what the model's `no_weight_decay()` names (timm's
-    convention) and other 1D/scalar parameters. A weight computed
-    from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the weight would
-    be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on every group; the
+    convention) or a tensor's `_no_weight_decay = True` marks (mamba_ssm's) and other 1D/scalar parameters. A
+    weight computed from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the
+    weight would be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on every group; the
     no-decay group keeps adamw_weight_decay=0; the routing keys are refused, since the groups are the routing. Shared
     (tied) parameters appear once. Frozen parameters (requires_grad=False) are left out, as timm's groups leave them
     (and the checkpoints of these groups expect): to train them once unfrozen, add their groups with
