@@ -243,13 +243,13 @@ def muon_param_groups(model: nn.Module, **overrides: Any) -> list[dict[str, Any]
     output head (a Linear named lm_head/output/head/classifier, one tied to an embedding, or the last Linear whose
     output size is a vocabulary size); AdamW without weight decay: norms, biases (by name, of any shape), a module's
     own embeddings and tokens (by name: pos_embed, cls_token), what the model's `no_weight_decay()` names (timm's
-    convention) or a tensor's `_no_weight_decay = True` marks (mamba_ssm's) and other 1D/scalar parameters. A
-    weight computed from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the
-    weight would be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on every group; the
-    no-decay group keeps adamw_weight_decay=0; the routing keys are refused, since the groups are the routing. Shared
-    (tied) parameters appear once. Frozen parameters (requires_grad=False) are left out, as timm's groups leave them
-    (and the checkpoints of these groups expect): to train them once unfrozen, add their groups with
-    `add_param_group`. Groups carry `param_names`, so state dicts are keyed readably.
+    convention) or a tensor's `_no_weight_decay = True` marks (mamba_ssm's) and other 1D/scalar parameters. A weight
+    computed from others (a parametrization, a pruning or weight_norm hook) is trained as those, routed as the
+    weight would be. `overrides` (any Muon option: lr, weight_decay, conv_mode, adamw_lr_scale, ...) are set on
+    every group; the no-decay group keeps adamw_weight_decay=0; the routing keys are refused, since the groups are
+    the routing. Shared (tied) parameters appear once. Frozen parameters (requires_grad=False) are left out, as
+    timm's groups leave them (and the checkpoints of these groups expect): to train them once unfrozen, add their
+    groups with `add_param_group`. Groups carry `param_names`, so state dicts are keyed readably.
     """
     routing_keys = sorted(set(overrides) & {"use_muon", "use_fallback", "param_layout"})
     if routing_keys:
