@@ -710,9 +710,9 @@ class Muon(Optimizer):
     def _check_clipped_layouts(self, qk_logits: Mapping[Hashable, Tensor]) -> None:
         """QK-clip scales the head rows of projections stored (out, in); one in a group with param_layout
         "transposed" is stored (in, out), and the clip would scale its input columns instead."""
-        stored_in_out = [group["params"] for group in self.param_groups if group["param_layout"] == "transposed"]
-        if not qk_logits or not stored_in_out:
+        if not qk_logits:  # every step asks: no work on the steps that clip nothing
             return
+        stored_in_out = [group["params"] for group in self.param_groups if group["param_layout"] == "transposed"]
         for name in qk_logits:
             for field in ("query", "key"):
                 weight = getattr(self.qk_clip[name], field)
